@@ -1,0 +1,83 @@
+"""Building blocks around attention: the MLP and the positional encodings.
+
+Learned and sinusoidal encodings are added to the token embeddings by the model; RoPE and
+ALiBi act inside attention (on q/k and on the scores), so MultiHeadAttention owns them.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: Linear -> GELU -> Linear, (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, d_model: int, hidden: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(nn.functional.gelu(self.fc(x))))
+
+
+def sinusoidal_encoding(max_len: int, d_model: int) -> Tensor:
+    """The fixed (max_len, d_model) table of Vaswani et al.: sin on even, cos on odd channels."""
+    position = torch.arange(max_len, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(
+        torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(1e4) / d_model)
+    )
+    table = torch.zeros(max_len, d_model)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+    return table
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al.): rotates channel pairs of q and k by position.
+
+    The dot product of a rotated query and key then depends only on their distance. The
+    rotate-half layout pairs channel i with channel i + D/2.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """Rotate x (B, H, T, D) as if its first position were `offset`."""
+        positions = torch.arange(offset, offset + x.size(-2), device=x.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq)
+        cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(x.dtype)
+        sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(x.dtype)
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def alibi_slopes(n_head: int) -> Tensor:
+    """Per-head ALiBi slopes (Press et al.): a geometric sequence starting at 2^(-8/n).
+
+    For a head count that is not a power of two, the slopes of the next lower power of two are
+    completed with every other slope of the next higher one, as in the paper.
+    """
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    lower = 2 ** math.floor(math.log2(n_head))
+    slopes = power_of_two_slopes(lower)
+    if lower < n_head:
+        slopes += power_of_two_slopes(2 * lower)[0::2][: n_head - lower]
+    return torch.tensor(slopes)
+
+
+def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """Linear distance penalty -slope * |i - j|, shape (H, Tq, Tk), added to the scores."""
+    distance = (q_pos[:, None] - k_pos[None, :]).abs().to(slopes.dtype)
+    return -slopes[:, None, None] * distance
