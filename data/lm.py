@@ -1,0 +1,218 @@
+"""Next-token language-modelling data: a corpus split into train/val, tokenized once into a
+cache of flat token arrays, and served as (x, y) blocks with y one token ahead of x."""
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data.sources import load_shakespeare, train_val_split
+from data.tokenizer import CharTokenizer, load_tokenizer
+
+# Bump whenever the cache entry's contents change meaning (normalisation, split, file layout).
+FORMAT_VERSION = 1
+SOURCES = {"shakespeare": load_shakespeare}
+TOKENIZER_BUILDERS = {"char": CharTokenizer.from_text}
+
+
+def _check_int(key: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ValueError(f"data.{key} must be {kind} integer, got {value!r}")
+
+
+@dataclass
+class LMDataConfig:
+    source: str = "shakespeare"
+    tokenizer: str = "char"
+    block_size: int = 128
+    batch_size: int = 32
+    val_fraction: float = 0.1
+    cache_dir: str = ".cache/tinyformer"
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be one of {sorted(SOURCES)}, got {self.source!r}")
+        if self.tokenizer not in TOKENIZER_BUILDERS:
+            known = sorted(TOKENIZER_BUILDERS)
+            raise ValueError(f"data.tokenizer must be one of {known}, got {self.tokenizer!r}")
+        _check_int("block_size", self.block_size, minimum=1)
+        _check_int("batch_size", self.batch_size, minimum=1)
+        _check_int("num_workers", self.num_workers, minimum=0)
+        v = self.val_fraction
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1:
+            raise ValueError(f"data.val_fraction must be a number between 0 and 1, got {v!r}")
+        if not self.cache_dir:
+            raise ValueError(f"data.cache_dir must be a directory path, got {self.cache_dir!r}")
+
+
+class TokenBlocks(Dataset):
+    """(x, y) pairs of `block_size` tokens, y shifted one token ahead, one every `stride` tokens."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int, stride: int):
+        self.tokens, self.block_size, self.stride = tokens, block_size, stride
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.stride
+        chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+class LMDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        source: str = "shakespeare",
+        tokenizer: str = "char",
+        block_size: int = 128,
+        batch_size: int = 32,
+        val_fraction: float = 0.1,
+        cache_dir: str = ".cache/tinyformer",
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        self.config = LMDataConfig(
+            source, tokenizer, block_size, batch_size, val_fraction, cache_dir, num_workers
+        )
+        self.save_hyperparameters()
+        self.cache_hit = False
+        self._tokenizer: CharTokenizer | None = None
+        self._splits: dict[str, np.ndarray] = {}
+
+    @property
+    def cache_entry(self) -> Path:
+        """Directory holding the tokenized corpus; block and batch size don't affect it."""
+        c = self.config
+        key = json.dumps([c.source, c.tokenizer, c.val_fraction, FORMAT_VERSION])
+        return Path(c.cache_dir) / "lm" / hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def prepare_data(self) -> None:
+        entry = self.cache_entry
+        self.cache_hit = (entry / "meta.json").exists()
+        if self.cache_hit:
+            return
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        # Build in a private directory and rename it into place: a crash leaves only an orphan
+        # temp directory, and concurrent builders (one per node under DDP) never see half an entry.
+        tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            self._build(tmp)
+            try:
+                os.rename(tmp, entry)
+            except OSError:
+                if not (entry / "meta.json").exists():
+                    raise
+                # Another process finished the same build first; its entry is as good as ours.
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _build(self, out: Path) -> None:
+        c = self.config
+        texts = SOURCES[c.source](Path(c.cache_dir))["text"]
+        train_text, val_text = train_val_split(texts, c.val_fraction)
+        tokenizer = TOKENIZER_BUILDERS[c.tokenizer](train_text)  # never fit on validation text
+        # Characters seen only in validation have no id; drop them rather than fail the build.
+        unseen = set(val_text) - set(tokenizer.chars)
+        kept_val = val_text.translate({ord(ch): None for ch in unseen})
+        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        train = np.array(tokenizer.encode(train_text), dtype=dtype)
+        val = np.array(tokenizer.encode(kept_val), dtype=dtype)
+        train.tofile(out / "train.bin")
+        val.tofile(out / "val.bin")
+        tokenizer.save(out / "tokenizer.json")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "source": c.source,
+            "tokenizer": c.tokenizer,
+            "val_fraction": c.val_fraction,
+            "dtype": np.dtype(dtype).name,
+            "vocab_size": tokenizer.vocab_size,
+            "train_tokens": len(train),
+            "val_tokens": len(val),
+            "val_chars_dropped": len(val_text) - len(kept_val),
+        }
+        (out / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._tokenizer is not None:
+            return
+        entry = self.cache_entry
+        if not (entry / "meta.json").exists():
+            raise FileNotFoundError(f"no prepared data in {entry}; call prepare_data() first")
+        meta = json.loads((entry / "meta.json").read_text())
+        block = self.config.block_size
+        for split in ("train", "val"):
+            tokens = np.memmap(entry / f"{split}.bin", dtype=meta["dtype"], mode="r")
+            if len(tokens) < block + 1:
+                raise ValueError(
+                    f"data.block_size={block} needs at least {block + 1} tokens but the {split} "
+                    f"split has {len(tokens)}; lower data.block_size"
+                )
+            self._splits[split] = tokens
+        self._tokenizer = load_tokenizer(entry / "tokenizer.json")
+
+    def _require_setup(self) -> None:
+        if self._tokenizer is None:
+            raise RuntimeError("LMDataModule is not set up; call prepare_data() and setup() first")
+
+    def _split(self, name: str) -> np.ndarray:
+        self._require_setup()
+        return self._splits[name]
+
+    @property
+    def tokenizer(self) -> CharTokenizer:
+        self._require_setup()
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        workers = self.config.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.config.batch_size,
+            shuffle=train,
+            drop_last=train,  # a short last batch would be an oddly weighted training step
+            num_workers=workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        # Every offset starts a training block; overlapping blocks are distinct examples.
+        blocks = TokenBlocks(self._split("train"), self.config.block_size, stride=1)
+        return self._loader(blocks, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        # Non-overlapping blocks score each validation token once per epoch.
+        block = self.config.block_size
+        return self._loader(TokenBlocks(self._split("val"), block, stride=block), train=False)
+
+    def val_sample(self, length: int) -> torch.Tensor:
+        """The first `length` validation tokens: fixed, and starting at a speaker's name."""
+        val = self._split("val")
+        if not 0 < length <= len(val):
+            raise ValueError(f"val_sample length must be in [1, {len(val)}], got {length}")
+        return torch.from_numpy(val[:length].astype(np.int64))
+
+    def unigram_loss(self) -> float:
+        """Validation cross-entropy (nats/token) of add-one-smoothed train token frequencies: the
+        loss a model that ignores context gets, so a trained model must beat it."""
+        counts = np.bincount(self._split("train"), minlength=self.vocab_size) + 1.0
+        log_probs = np.log(counts / counts.sum())
+        val = self._split("val")
+        return float(-(np.bincount(val, minlength=self.vocab_size) * log_probs).sum() / len(val))

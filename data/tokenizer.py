@@ -1,0 +1,81 @@
+"""Tokenizers map text to integer ids and back. Each one serialises to a JSON dict with a "type"
+key, so a checkpoint can carry its tokenizer and `tokenizer_from_dict` can rebuild it."""
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class CharTokenizer:
+    """One token per character; the vocabulary is the sorted set of characters it was built from."""
+
+    def __init__(self, chars: Sequence[str]):
+        if any(len(c) != 1 for c in chars) or len(set(chars)) != len(chars):
+            raise ValueError(f"CharTokenizer needs distinct single characters, got {chars!r}")
+        self.chars = list(chars)
+        self._ids = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError:
+            unknown = list(dict.fromkeys(c for c in text if c not in self._ids))
+            shown = ", ".join(repr(c) for c in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            raise ValueError(
+                f"text contains {len(unknown)} character(s) not in the vocabulary: {shown}; "
+                "the char tokenizer's vocabulary was built from the training corpus, "
+                "so use only characters that occur there"
+            ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def to_dict(self) -> dict:
+        return {"type": "char", "chars": self.chars}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CharTokenizer":
+        return cls(d["chars"])
+
+    def save(self, path: str | os.PathLike) -> None:
+        _write_atomic(Path(path), json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CharTokenizer":
+        tokenizer = load_tokenizer(path)
+        if not isinstance(tokenizer, cls):
+            raise ValueError(f"{path} holds a {type(tokenizer).__name__}, not a {cls.__name__}")
+        return tokenizer
+
+
+TOKENIZERS = {"char": CharTokenizer}
+
+
+def tokenizer_from_dict(d: dict) -> CharTokenizer:
+    kind = d.get("type")
+    if kind not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer type {kind!r}; known types: {sorted(TOKENIZERS)}")
+    return TOKENIZERS[kind].from_dict(d)
+
+
+def load_tokenizer(path: str | os.PathLike) -> CharTokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer file at {path}; check the path")
+    return tokenizer_from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # Readers (e.g. other DDP ranks) see the old file or the new one, never half of one.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,265 @@
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import data.lm
+from data import (
+    CharTokenizer,
+    LMDataConfig,
+    LMDataModule,
+    load_shakespeare,
+    load_tokenizer,
+    normalise_play,
+    shakespeare_files,
+    tokenizer_from_dict,
+    train_val_split,
+)
+
+BLOCK, BATCH = 32, 8
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def dm(cache_dir):
+    """One prepared data module (the only cold build of the default entry) shared by all tests."""
+    module = LMDataModule(block_size=BLOCK, batch_size=BATCH, cache_dir=cache_dir)
+    module.prepare_data()
+    module.setup()
+    return module
+
+
+@pytest.fixture(scope="session")
+def plays(dm, cache_dir):
+    return load_shakespeare(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def corpus(plays):
+    return "".join(plays["text"])
+
+
+def test_normalised_romeo_and_juliet():
+    (path,) = [p for p in shakespeare_files() if p.stem == "romeo-and-juliet"]
+    text = normalise_play(path.read_text(encoding="utf-8"))
+    assert "\n\nSAMPSON:\nGregory, o' my word, we'll not carry coals.\n\nGREGORY:\n" in text
+    assert "Enter SAMPSON" not in text and "ACT I" not in text
+    assert text.startswith("Prologue:\nTwo households, both alike in dignity,\n")
+
+
+def test_normalise_markup_and_directions():
+    markdown = (
+        "# A Play\n\n## ACT I\n\n### SCENE I. A place.\n\n"
+        "_Enter FIRST and SECOND, with a long\ndirection_\n\n"
+        "**First Citizen**  \n_\\[Aside]_ Before we proceed \\-- hear me.  \n"
+        "_Re-enter Ghost_  \n__\\[Awaking]_  \nAye\u2014speak.\n\n"
+        "_Exit SECOND_\n\n"
+        "And still I speak.\n\n"
+        "BISHOP\n\n**OF WINCHESTER**  \nAmen.\n"
+    )
+    assert normalise_play(markdown) == (
+        "First Citizen:\nBefore we proceed -- hear me.\nAye--speak.\nAnd still I speak.\n\n"
+        "BISHOP OF WINCHESTER:\nAmen.\n\n"
+    )
+
+
+def test_corpus_is_clean_script_text(plays, corpus):
+    assert len(plays) == 38 == len(shakespeare_files())
+    assert "hamlet" in plays["name"]
+    assert corpus.isascii()
+    assert not set("*_#\\[]") & set(corpus)
+    assert not re.search(r"[ \t]$", corpus, flags=re.MULTILINE)
+    for play in plays["text"]:
+        speeches = play.rstrip("\n").split("\n\n")
+        assert all(re.match(r"[^\n]+:\n[^\n]", s) for s in speeches)
+
+
+def test_load_shakespeare_reuses_text_files(plays, cache_dir):
+    (path,) = [p for p in shakespeare_files() if p.stem == "macbeth"]
+    row = plays[plays["name"].index("macbeth")]
+    assert row["text"] == normalise_play(path.read_text(encoding="utf-8"))
+    assert load_shakespeare(cache_dir)["text"] == plays["text"]
+
+
+def test_split_is_deterministic_and_cuts_between_speeches(plays):
+    texts = plays["text"]
+    train, val = train_val_split(texts, 0.1)
+    assert (train, val) == train_val_split(texts, 0.1)
+    assert 0.09 < len(val) / (len(train) + len(val)) < 0.11
+    first = texts[0]
+    cut = first.index("\n\n", int(0.9 * len(first)))
+    assert train.startswith(first[:cut] + "\n\n")
+    assert val.startswith(first[cut + 2 :])
+
+
+@pytest.mark.parametrize("fraction", [0, 1, -0.5, 1.5])
+def test_split_rejects_bad_fraction(fraction):
+    with pytest.raises(ValueError, match=f"val_fraction .* got {fraction}"):
+        train_val_split(["A:\nhi\n"], fraction)
+
+
+def test_char_tokenizer_round_trips_corpus(corpus):
+    tok = CharTokenizer.from_text(corpus)
+    assert tok.decode(tok.encode(corpus)) == corpus
+    assert tok.chars == sorted(set(corpus))
+
+
+def test_tokenizer_save_load(tmp_path):
+    tok = CharTokenizer.from_text("hello world\n")
+    path = tmp_path / "tok.json"
+    tok.save(path)
+    assert json.loads(path.read_text())["type"] == "char"
+    for loaded in (CharTokenizer.load(path), load_tokenizer(path)):
+        assert loaded.to_dict() == tok.to_dict()
+        assert loaded.encode("low hell") == tok.encode("low hell")
+    assert tokenizer_from_dict(tok.to_dict()).vocab_size == tok.vocab_size == 9
+
+
+def test_tokenizer_errors(tmp_path):
+    tok = CharTokenizer.from_text("abc")
+    with pytest.raises(ValueError, match="2 character.*: 'z', '\u00e9'; .*training corpus"):
+        tok.encode("abz\u00e9\u00e9z")
+    with pytest.raises(ValueError, match="'bpe2'.*'char'"):
+        tokenizer_from_dict({"type": "bpe2"})
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_tokenizer(tmp_path / "missing.json")
+
+
+def test_second_prepare_is_a_cache_hit(dm, cache_dir):
+    assert dm.cache_hit is False
+    again = LMDataModule(block_size=64, cache_dir=cache_dir)  # block size shares the cache entry
+    again.prepare_data()
+    assert again.cache_hit is True
+    again.setup()
+    assert again.tokenizer.to_dict() == dm.tokenizer.to_dict()
+
+
+def test_cache_entry_contents(dm, corpus):
+    meta = json.loads((dm.cache_entry / "meta.json").read_text())
+    assert meta["dtype"] == "uint16"
+    assert meta["vocab_size"] == dm.vocab_size == len(set(corpus))
+    assert meta["val_chars_dropped"] == 0
+    assert meta["train_tokens"] + meta["val_tokens"] == pytest.approx(len(corpus), abs=100)
+
+
+def test_val_only_characters_are_dropped_not_fatal(tmp_path, monkeypatch):
+    plays = ["A:\nabc\n\nB:\nabd\n\n", "B:\nbad\n\nA:\ncab\u00e9\n\n"]  # val: 2nd speeches
+    monkeypatch.setitem(data.lm.SOURCES, "tiny", lambda cache_dir: {"text": plays})
+    module = LMDataModule(source="tiny", block_size=2, val_fraction=0.6, cache_dir=str(tmp_path))
+    module.prepare_data()
+    module.setup()
+    meta = json.loads((module.cache_entry / "meta.json").read_text())
+    assert meta["val_chars_dropped"] == 1
+    val = module.tokenizer.decode(module.val_sample(meta["val_tokens"]).tolist())
+    assert val == "B:\nabd\n\nA:\ncab\n"
+
+
+def test_train_batches(dm):
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (BATCH, BLOCK)
+    assert x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    dataset = dm.train_dataloader().dataset
+    train = np.asarray(dm._split("train"))
+    assert len(dataset) == len(train) - BLOCK
+    x, y = dataset[len(dataset) - 1]
+    assert y[-1] == train[-1] and x[0] == train[-BLOCK - 1]
+
+
+def test_val_batches_are_non_overlapping(dm):
+    loader = dm.val_dataloader()
+    val = torch.from_numpy(np.asarray(dm._split("val")).astype(np.int64))
+    assert len(loader.dataset) == (len(val) - 1) // BLOCK
+    x, y = next(iter(loader))
+    assert x.shape == (BATCH, BLOCK)
+    assert torch.equal(x.flatten(), val[: BATCH * BLOCK])
+    assert torch.equal(y.flatten(), val[1 : BATCH * BLOCK + 1])
+
+
+def test_val_sample_is_fixed_and_starts_a_speech(dm, cache_dir):
+    sample = dm.val_sample(100)
+    assert sample.shape == (100,) and sample.dtype == torch.int64
+    other = LMDataModule(cache_dir=cache_dir)
+    other.prepare_data()
+    other.setup()
+    assert torch.equal(other.val_sample(100), sample)
+    assert re.match(r"[^\n]+:\n", dm.tokenizer.decode(sample.tolist()))
+
+
+def test_unigram_loss_is_a_sane_baseline(dm):
+    loss = dm.unigram_loss()
+    print(f"unigram val loss: {loss:.4f} nats/token")
+    assert 2.5 < loss < 4.5
+    assert loss < np.log(dm.vocab_size)  # frequencies must beat a uniform guess
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "data.batch_size must be a positive integer, got 0"),
+        ({"block_size": -3}, "data.block_size must be a positive integer, got -3"),
+        ({"block_size": 1.5}, "data.block_size must be a positive integer, got 1.5"),
+        ({"num_workers": -1}, "data.num_workers must be a non-negative integer, got -1"),
+        ({"val_fraction": 1.0}, "data.val_fraction must be a number between 0 and 1, got 1.0"),
+        ({"source": "wiki"}, "data.source must be one of ['shakespeare'], got 'wiki'"),
+        ({"tokenizer": "bpe"}, "data.tokenizer must be one of ['char'], got 'bpe'"),
+        ({"cache_dir": ""}, "data.cache_dir must be a directory path, got ''"),
+    ],
+)
+def test_config_validation_names_the_key(kwargs, message):
+    for build in (LMDataConfig, LMDataModule):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build(**kwargs)
+
+
+def test_block_size_longer_than_split(cache_dir, dm):
+    huge = LMDataModule(block_size=10**7, cache_dir=cache_dir)
+    huge.prepare_data()
+    with pytest.raises(ValueError, match=r"data.block_size=10000000 .* train split"):
+        huge.setup()
+
+
+def test_use_before_setup_is_explained(cache_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="setup"):
+        _ = LMDataModule(cache_dir=cache_dir).tokenizer
+    with pytest.raises(FileNotFoundError, match="prepare_data"):
+        LMDataModule(cache_dir=str(tmp_path)).setup()
+
+
+def test_orphan_temp_dir_from_crashed_build_is_harmless(dm, cache_dir):
+    # A different val_fraction is a different entry; the plays' text is reused from the cache.
+    module = LMDataModule(val_fraction=0.2, cache_dir=cache_dir)
+    entry = module.cache_entry
+    orphan = entry.parent / f".tmp-{entry.name}-crashed"
+    orphan.mkdir()
+    (orphan / "train.bin").write_bytes(b"\x01\x02\x03")  # half-written, no meta.json
+    module.prepare_data()
+    module.setup()
+    assert not module.cache_hit
+    assert json.loads((entry / "meta.json").read_text())["val_fraction"] == 0.2
+    x, _ = next(iter(module.val_dataloader()))
+    assert x.shape == (module.config.batch_size, module.config.block_size)
+
+
+def test_losing_a_build_race_keeps_the_winner(dm, cache_dir, monkeypatch):
+    module = LMDataModule(val_fraction=0.3, cache_dir=cache_dir)
+    entry = module.cache_entry
+    real_build = LMDataModule._build
+
+    def build_while_another_process_finishes_first(self, out):
+        real_build(self, out)
+        shutil.copytree(out, entry)
+        (entry / "winner").touch()
+
+    monkeypatch.setattr(LMDataModule, "_build", build_while_another_process_finishes_first)
+    module.prepare_data()
+    assert (entry / "winner").exists()
+    assert [p.name for p in entry.parent.iterdir() if p.name.startswith(f".tmp-{entry.name}")] == []
+    module.setup()
