@@ -1,0 +1,222 @@
+"""Tests of decoding: model/generation.py."""
+
+import pytest
+import torch
+
+from model.attention import AttentionConfig
+from model.generation import filter_logits, generate, next_token
+from model.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 29
+
+
+def tiny_gpt(position="learned", block_size=16, **attention) -> GPT:
+    config = GPTConfig(
+        vocab_size=VOCAB,
+        block_size=block_size,
+        n_layer=2,
+        n_embd=32,
+        position=position,
+        attention=AttentionConfig(n_head=4, **attention),
+    )
+    return GPT(config).eval()
+
+
+def run(model, idx, steps, **kwargs) -> torch.Tensor:
+    tokens = list(generate(model, idx, steps, **kwargs))
+    assert len(tokens) == steps
+    return torch.stack(tokens, dim=1)
+
+
+# --------------------------------------------------------------------------- filter_logits
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 19])
+def test_top_k_keeps_exactly_the_k_best(k):
+    logits = torch.randn(4, 20)
+    filtered = filter_logits(logits, top_k=k)
+    kept = torch.isfinite(filtered)
+    assert kept.sum(-1).tolist() == [k] * 4
+    best = logits.topk(k, dim=-1).indices
+    assert kept.gather(-1, best).all()
+    assert torch.equal(filtered[kept], logits[kept])  # survivors are untouched
+    assert torch.isneginf(filtered[~kept]).all()
+
+
+@pytest.mark.parametrize("k", [20, 25])
+def test_top_k_at_least_vocab_keeps_everything(k):
+    logits = torch.randn(2, 20)
+    assert torch.equal(filter_logits(logits, top_k=k), logits)
+
+
+# probabilities 0.05, 0.40, 0.25, 0.20, 0.10 (sorted: 0.40, 0.25, 0.20, 0.10, 0.05)
+PROBS = torch.tensor([[0.05, 0.40, 0.25, 0.20, 0.10]])
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [
+        (0.01, [1]),  # the most likely token always survives
+        (0.39, [1]),
+        (0.5, [1, 2]),
+        (0.6, [1, 2]),
+        (0.7, [1, 2, 3]),
+        (0.8, [1, 2, 3]),
+        (0.9, [1, 2, 3, 4]),
+        (0.99, [0, 1, 2, 3, 4]),
+        (1.0, [0, 1, 2, 3, 4]),
+    ],
+)
+def test_top_p_keeps_the_smallest_nucleus(top_p, kept):
+    logits = PROBS.log() + 3.0  # any shift: top-p sees probabilities
+    filtered = filter_logits(logits, top_p=top_p)
+    assert torch.isfinite(filtered[0]).nonzero().flatten().tolist() == kept
+    assert torch.equal(filtered[torch.isfinite(filtered)], logits[torch.isfinite(filtered)])
+
+
+def test_top_p_works_row_by_row():
+    logits = torch.stack((PROBS[0], PROBS[0].flip(0))).log()
+    filtered = filter_logits(logits, top_p=0.5)
+    assert torch.isfinite(filtered).nonzero().tolist() == [[0, 1], [0, 2], [1, 2], [1, 3]]
+
+
+def test_top_k_then_top_p():
+    logits = PROBS.log()
+    # top-2 leaves 0.40 and 0.25, renormalised 0.615 and 0.385: top_p=0.5 keeps only the best
+    filtered = filter_logits(logits, top_k=2, top_p=0.5)
+    assert torch.isfinite(filtered[0]).nonzero().flatten().tolist() == [1]
+
+
+def test_next_token_greedy_and_filtered_sampling():
+    logits = torch.randn(6, VOCAB)
+    assert torch.equal(next_token(logits, greedy=True), logits.argmax(-1))
+    # top_k=1 leaves one candidate: sampling must pick the argmax
+    generator = torch.Generator().manual_seed(1)
+    assert torch.equal(next_token(logits, top_k=1, generator=generator), logits.argmax(-1))
+    # a near-zero temperature also collapses onto the argmax
+    assert torch.equal(next_token(logits, temperature=1e-4, generator=generator), logits.argmax(-1))
+
+
+def test_sampling_follows_the_filtered_distribution():
+    logits = PROBS.log().expand(4000, 5)
+    generator = torch.Generator().manual_seed(0)
+    tokens = next_token(logits, top_p=0.6, generator=generator)
+    assert set(tokens.tolist()) == {1, 2}
+    share = (tokens == 1).float().mean().item()
+    assert share == pytest.approx(0.40 / 0.65, abs=0.03)
+
+
+# --------------------------------------------------------------------------- generate
+
+
+@pytest.mark.parametrize(
+    "position, attention",
+    [
+        ("learned", {}),
+        ("sinusoidal", {}),
+        ("rope", {"n_kv_head": 2}),
+        ("alibi", {"window": 4}),
+        ("none", {}),
+    ],
+)
+def test_greedy_with_and_without_cache_agree_within_block_size(position, attention):
+    model = tiny_gpt(position, block_size=16, **attention)
+    idx = torch.randint(VOCAB, (3, 5))
+    # the 12th token is predicted from 5 + 11 = block_size tokens: the cache is exactly full
+    cached = run(model, idx, 12, greedy=True, use_cache=True)
+    uncached = run(model, idx, 12, greedy=True, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+@torch.no_grad()
+def test_greedy_tokens_are_the_argmax_of_the_full_forward():
+    model = tiny_gpt("rope")
+    idx = torch.randint(VOCAB, (2, 4))
+    tokens = run(model, idx, 6, greedy=True)
+    sequence = torch.cat((idx, tokens), dim=1)
+    logits, _ = model(sequence[:, :-1])
+    assert torch.equal(logits[:, 3:].argmax(-1), tokens)
+
+
+def record_calls(model: GPT) -> list[tuple[torch.Tensor, int | None]]:
+    """Spy on model.forward: each call's idx and the cache length it found."""
+    calls, forward = [], model.forward
+
+    def spy(idx, targets=None, cache=None):
+        calls.append((idx.clone(), cache[0].length if cache else None))
+        return forward(idx, targets, cache)
+
+    model.forward = spy
+    return calls
+
+
+def test_cache_feeds_one_token_per_step_and_rebuilds_from_half_a_block():
+    model = tiny_gpt("rope", block_size=8)
+    calls = record_calls(model)
+    idx = torch.randint(VOCAB, (2, 3))
+    tokens = run(model, idx, 10, greedy=True, use_cache=True)
+    sequence = torch.cat((idx, tokens), dim=1)
+    assert [call[0].size(1) for call in calls] == [3, 1, 1, 1, 1, 1, 4, 1, 1, 1]
+    assert [call[1] for call in calls] == [0, 3, 4, 5, 6, 7, 0, 4, 5, 6]  # none after the last
+    assert torch.equal(calls[0][0], idx)
+    assert torch.equal(calls[1][0], tokens[:, :1])  # each step feeds the token just yielded
+    assert torch.equal(calls[6][0], sequence[:, 5:9])  # the last half block, token 6 included
+
+
+def test_without_cache_every_step_reads_the_last_block():
+    model = tiny_gpt("rope", block_size=8)
+    calls = record_calls(model)
+    idx = torch.randint(VOCAB, (2, 11))
+    tokens = run(model, idx, 4, greedy=True, use_cache=False)
+    sequence = torch.cat((idx, tokens), dim=1)
+    assert len(calls) == 4  # no forward pass after the last token
+    for step, (seen, cache_length) in enumerate(calls):
+        assert cache_length is None
+        assert torch.equal(seen, sequence[:, 3 + step : 11 + step])
+
+
+@pytest.mark.parametrize("position", ["rope", "learned", "alibi"])
+def test_generation_runs_past_block_size(position):
+    model = tiny_gpt(position, block_size=8)
+    idx = torch.randint(VOCAB, (2, 11))  # the prompt alone is longer than block_size
+    for use_cache in (True, False):
+        tokens = run(model, idx, 20, greedy=True, use_cache=use_cache)
+        assert tokens.shape == (2, 20)
+        assert ((tokens >= 0) & (tokens < VOCAB)).all()
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+def test_generation_with_a_tiny_block_size(block_size):
+    model = tiny_gpt("rope", block_size=block_size)
+    idx = torch.randint(VOCAB, (2, 3))
+    cached = run(model, idx, 5, greedy=True, use_cache=True)
+    assert cached.shape == (2, 5)
+    if block_size == 1:  # every step sees the previous token only, with or without the cache
+        assert torch.equal(cached, run(model, idx, 5, greedy=True, use_cache=False))
+        with torch.no_grad():
+            previous = torch.cat((idx[:, -1:], cached[:, :-1]), dim=1)
+            expected = model(previous.reshape(-1, 1))[0][:, -1].argmax(-1).view(2, 5)
+        assert torch.equal(cached, expected)
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator():
+    model = tiny_gpt("rope")
+    idx = torch.randint(VOCAB, (2, 3))
+
+    def sample(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return run(model, idx, 12, temperature=1.5, top_k=20, top_p=0.95, generator=generator)
+
+    first, again, other = sample(1234), sample(1234), sample(4321)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_batch_rows_are_generated_independently():
+    model = tiny_gpt("alibi")
+    idx = torch.randint(VOCAB, (3, 4))
+    batched = run(model, idx, 6, greedy=True)
+    for row in range(3):
+        assert torch.equal(batched[row : row + 1], run(model, idx[row : row + 1], 6, greedy=True))
