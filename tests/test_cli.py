@@ -1,0 +1,172 @@
+"""End to end through the real command line: train.py writes a run, generate.py samples it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from wandb_offline import config, history
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "model.block_size=64",
+    "model.attention.n_head=4",
+    "data.batch_size=16",
+    "trainer.max_steps=80",
+    "trainer.val_check_interval=20",
+    "trainer.limit_val_batches=4",
+    "trainer.num_sanity_val_steps=0",
+    "optim.warmup_steps=10",
+    "callbacks.attention_maps.every_n_steps=40",
+    "callbacks.attention_maps.sample_length=24",
+    "sample.max_new_tokens=40",
+]
+
+
+def run_script(script: str, *overrides: str, cache_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TINYFORMER_CACHE": str(cache_dir), "WANDB_SILENT": "true"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def cli_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli_cache")
+
+
+@pytest.fixture(scope="module")
+def wandb_run(tmp_path_factory, cli_cache) -> Path:
+    run_dir = tmp_path_factory.mktemp("run_wandb")
+    result = run_script("train.py", *TINY, f"hydra.run.dir={run_dir}", cache_dir=cli_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir / "stdout.txt").write_text(result.stdout)
+    return run_dir
+
+
+@pytest.mark.slow
+def test_train_writes_best_and_last_checkpoints(wandb_run):
+    checkpoints = sorted(p.name for p in (wandb_run / "checkpoints").glob("*.ckpt"))
+    assert "last.ckpt" in checkpoints
+    assert any(name.startswith("best-step") for name in checkpoints), checkpoints
+
+
+@pytest.mark.slow
+def test_checkpoint_carries_resolved_config_and_tokenizer(wandb_run):
+    checkpoint = torch.load(wandb_run / "checkpoints" / "last.ckpt", weights_only=True)
+    hparams = checkpoint["hyper_parameters"]
+    assert hparams["model"]["n_embd"] == 64
+    assert hparams["model"]["vocab_size"] == len(hparams["tokenizer"]["chars"])
+    assert hparams["run_config"]["trainer"]["max_steps"] == 80
+    assert hparams["run_config"]["paths"]["output_dir"] == str(wandb_run)
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_has_decreasing_val_loss_and_attention_images(wandb_run):
+    rows = history(wandb_run)
+    val_losses = [row["val/loss"] for row in rows if "val/loss" in row]
+    assert len(val_losses) == 4, val_losses  # steps 20, 40, 60, 80
+    assert val_losses[-1] < val_losses[0] - 0.2, val_losses
+    train_losses = [row["train/loss"] for row in rows if "train/loss" in row]
+    assert len(train_losses) >= 5
+    image_rows = [row for row in rows if "attention/layer1/attn/_type" in row]
+    assert image_rows and image_rows[0]["attention/layer1/attn/_type"] == "image-file"
+    assert any("attention/layer0/attn/head3/score_std" in row for row in rows)
+    pngs = list(wandb_run.glob("wandb/offline-run-*/files/media/images/attention/layer*/*.png"))
+    assert len(pngs) >= 4, pngs  # 2 layers x (step 40, step 80)
+    assert config(wandb_run)["model"]["attention"]["n_head"] == 4
+
+
+@pytest.mark.slow
+def test_train_prints_sample_and_generate_command(wandb_run):
+    stdout = (wandb_run / "stdout.txt").read_text()
+    assert "best checkpoint:" in stdout
+    assert f"python generate.py ckpt={wandb_run}" in stdout
+
+
+@pytest.mark.slow
+def test_generate_streams_text_from_run_dir(wandb_run, cli_cache):
+    result = run_script(
+        "generate.py",
+        f"ckpt={wandb_run}",
+        "prompt=ROMEO:",
+        "max_new_tokens=60",
+        "num_samples=2",
+        "top_p=0.95",
+        cache_dir=cli_cache,
+    )
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split("-" * 40)
+    assert len(samples) == 2
+    for sample in samples:
+        text = sample.strip()
+        assert text.startswith("ROMEO:")
+        assert len(text) >= len("ROMEO:") + 50
+
+
+@pytest.mark.slow
+def test_generate_same_seed_same_text(wandb_run, cli_cache):
+    outputs = {
+        run_script(
+            "generate.py", f"ckpt={wandb_run}", "max_new_tokens=30", "seed=7", cache_dir=cli_cache
+        ).stdout
+        for _ in range(2)
+    }
+    assert len(outputs) == 1
+
+
+@pytest.mark.slow
+def test_generate_rejects_prompt_outside_vocabulary(wandb_run, cli_cache):
+    result = run_script("generate.py", f"ckpt={wandb_run}", "prompt='ROMEO☃'", cache_dir=cli_cache)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: prompt='ROMEO☃'") and "'☃'" in lines[0]
+
+
+@pytest.mark.slow
+def test_generate_missing_checkpoint_is_one_line(tmp_path, cli_cache):
+    result = run_script("generate.py", f"ckpt={tmp_path / 'nope'}", cache_dir=cli_cache)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"error: checkpoint {tmp_path / 'nope'} does not exist: pass ckpt=<run dir> "
+        "(runs live under outputs/) or ckpt=<file.ckpt>"
+    )
+
+
+@pytest.mark.slow
+def test_csv_logger_run_saves_attention_pngs(tmp_path, cli_cache):
+    overrides = [*TINY, "trainer.max_steps=40", "logger=csv", f"hydra.run.dir={tmp_path}"]
+    result = run_script("train.py", *overrides, cache_dir=cli_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pngs = sorted(p.name for p in (tmp_path / "attention_maps").glob("*.png"))
+    assert pngs == ["layer0_attn_step000040.png", "layer1_attn_step000040.png"]
+    metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
+    assert "attention/layer1/attn/head0/entropy" in metrics and "val/loss" in metrics
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_bad_override_fails_before_data_with_one_line(tmp_path):
+    cache_dir = tmp_path / "cache"
+    result = run_script(
+        "train.py",
+        "model.attention.n_head=3",
+        "model.n_embd=128",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cache_dir=cache_dir,
+    )
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "n_embd=128" in lines[0] and "n_head=3" in lines[0]
+    assert not cache_dir.exists(), "no data may be prepared for an invalid config"
