@@ -19,8 +19,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import tokenizer_from_dict
-from model.generation import generate
-from model.gpt import GPT, GPTConfig
+from model.attention_maps import plot_heads, record_attention
+from model.encdec import EncoderDecoder
+from model.generation import beam_search, decode_greedy_or_sample, decoding_ids, generate
+from model.gpt import GPT
+from model.module import build_model
 
 T = TypeVar("T")
 
@@ -69,7 +72,7 @@ def load_checkpoint(path: Path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         hparams = checkpoint["hyper_parameters"]
         state = checkpoint["state_dict"]
-        config = GPTConfig.from_dict(hparams["model"])
+        model = build_model(hparams.get("kind", "gpt"), hparams["model"])
         tokenizer = tokenizer_from_dict(hparams["tokenizer"])
     except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, TypeError) as error:
         raise ValueError(
@@ -77,7 +80,6 @@ def load_checkpoint(path: Path):
             f"{str(error).splitlines()[0] if str(error) else 'truncated or foreign file'}); "
             "point ckpt= at a .ckpt written by train.py"
         ) from error
-    model = GPT(config)
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model.eval(), tokenizer, hparams
 
@@ -87,20 +89,26 @@ class SamplingConfig:
     """What generate.py takes besides the checkpoint; validated before the model loads."""
 
     prompt: str = "\n"
+    source: str | None = None  # encoder-decoder input
     max_new_tokens: int = 300
-    decoding: str = "sample"
+    decoding: str = "sample"  # sample | greedy | beam (beam: encoder-decoder only)
+    beam_size: int = 4
+    length_penalty: float = 1.0
     temperature: float = 0.8
     top_k: int | None = 50
     top_p: float | None = None
     num_samples: int = 1
     seed: int = 1
     use_cache: bool = True
+    attention_plot: str | None = None  # encoder-decoder: PNG of the decode's cross-attention
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens}")
-        if self.decoding not in ("sample", "greedy"):
-            raise ValueError(f"decoding={self.decoding!r} is not one of sample, greedy")
+        if self.decoding not in ("sample", "greedy", "beam"):
+            raise ValueError(f"decoding={self.decoding!r} is not one of sample, greedy, beam")
+        if not isinstance(self.beam_size, int) or self.beam_size < 1:
+            raise ValueError(f"beam_size must be a positive integer, got {self.beam_size}")
         if not self.temperature > 0:
             raise ValueError(
                 f"temperature must be > 0, got {self.temperature}: use decoding=greedy for argmax"
@@ -115,7 +123,7 @@ class SamplingConfig:
             raise ValueError('prompt is empty: give at least one character, e.g. prompt="\\n"')
 
     def sampling_kwargs(self, generator: torch.Generator) -> dict:
-        if self.decoding == "greedy":
+        if self.decoding != "sample":
             return {"greedy": True}
         return {
             "temperature": self.temperature,
@@ -125,13 +133,18 @@ class SamplingConfig:
         }
 
 
+def encode(tokenizer, text: str, key: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except ValueError as error:
+        raise ValueError(f"{key}={text!r}: {error}") from None
+
+
 def stream_samples(model: GPT, tokenizer, config: SamplingConfig, device: torch.device) -> None:
     """Print num_samples continuations of the prompt, token by token."""
-    try:
-        prompt_ids = tokenizer.encode(config.prompt)
-    except ValueError as error:
-        raise ValueError(f"prompt={config.prompt!r}: {error}") from None
-    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    if config.decoding == "beam":
+        raise ValueError("decoding=beam is for encoder-decoder checkpoints: use sample or greedy")
+    prompt = torch.tensor([encode(tokenizer, config.prompt, "prompt")], device=device)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     for index in range(config.num_samples):
         if index:
@@ -149,6 +162,68 @@ def stream_samples(model: GPT, tokenizer, config: SamplingConfig, device: torch.
         print()
 
 
+def translate(
+    model: EncoderDecoder, tokenizer, config: SamplingConfig, device: torch.device
+) -> list[list[int]]:
+    """Decode the source num_samples times (once for greedy and beam); print each output."""
+    source_ids = encode(tokenizer, config.source, "source")
+    limit = model.config.max_source_len
+    if not 0 < len(source_ids) <= limit:
+        raise ValueError(
+            f"source has {len(source_ids)} tokens; this model reads 1 to model.max_source_len="
+            f"{limit}: shorten it"
+        )
+    source = torch.tensor([source_ids], device=device)
+    ids = decoding_ids(tokenizer)
+    if config.decoding == "beam":
+        outputs = beam_search(
+            model,
+            source,
+            None,
+            max_new_tokens=config.max_new_tokens,
+            beam_size=config.beam_size,
+            length_penalty=config.length_penalty,
+            **ids,
+        )
+    else:
+        generator = torch.Generator(device=device).manual_seed(config.seed)
+        repeats = config.num_samples if config.decoding == "sample" else 1
+        outputs = decode_greedy_or_sample(
+            model,
+            source.expand(repeats, -1),
+            None,
+            max_new_tokens=config.max_new_tokens,
+            use_cache=config.use_cache,
+            **ids,
+            **config.sampling_kwargs(generator),
+        )
+    for output in outputs:
+        print(tokenizer.decode(output))
+    if config.attention_plot:
+        save_cross_attention(model, tokenizer, source_ids, outputs[0], config.attention_plot)
+    return outputs
+
+
+def save_cross_attention(
+    model: EncoderDecoder, tokenizer, source_ids: list[int], output: list[int], path: str
+) -> None:
+    """Plot every decoder layer's cross-attention while it reads back its own decode."""
+    target_in = [tokenizer.bos_id, *output][: model.config.max_target_len]
+    device = next(model.parameters()).device
+    source = torch.tensor([source_ids], device=device)
+    target = torch.tensor([target_in], device=device)
+    records = record_attention(model, lambda: model(source, target))
+    cross = [r for r in records if r.name.endswith("cross_attn")]
+
+    def labels(ids: list[int]) -> list[str]:
+        return [tokenizer.decode([i], skip_special=False) for i in ids]
+
+    figure = plot_heads(cross, labels(target_in), labels(source_ids), "cross-attention")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    print(f"cross-attention map saved to {path}", file=sys.stderr)
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,12 +234,25 @@ def pick_device(name: str) -> torch.device:
 
 def run(cfg: DictConfig) -> None:
     options = OmegaConf.to_container(cfg, resolve=True)
-    checkpoint_path = resolve_checkpoint(options.pop("ckpt"))
-    device = pick_device(options.pop("device"))
-    config = SamplingConfig(**options)
+    ckpt, device = options.pop("ckpt"), pick_device(options.pop("device"))
+    config = SamplingConfig(**options)  # bad options fail before anything is loaded
+    checkpoint_path = resolve_checkpoint(ckpt)
     model, tokenizer, _ = load_checkpoint(checkpoint_path)
+    model = model.to(device)
     torch.manual_seed(config.seed)
-    stream_samples(model.to(device), tokenizer, config, device)
+    if isinstance(model, EncoderDecoder):
+        if config.source is None:
+            raise ValueError(
+                f'{checkpoint_path} is an encoder-decoder: give the input as source="..."'
+            )
+        translate(model, tokenizer, config, device)
+    else:
+        if config.source is not None or config.attention_plot:
+            raise ValueError(
+                f'{checkpoint_path} is a GPT: continue a prompt="..." (source= and '
+                "attention_plot= are for encoder-decoder checkpoints)"
+            )
+        stream_samples(model, tokenizer, config, device)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")

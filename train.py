@@ -13,13 +13,23 @@ import hydra
 import lightning as L
 import torch
 import wandb
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
+from data.lm import LMDataModule
+from data.seq2seq import Seq2SeqDataModule, pad_sequences
 from generate import SamplingConfig, exit_on_user_error, load_checkpoint, stream_samples
-from model.module import LanguageModelModule, OptimConfig
+from model.encdec import EncoderDecoder
+from model.generation import decode_greedy_or_sample, decoding_ids
+from model.module import (
+    LanguageModelModule,
+    OptimConfig,
+    Seq2SeqModule,
+    module_for,
+)
 
 
 def instantiate_checked(node: DictConfig, **kwargs):
@@ -33,19 +43,66 @@ def instantiate_checked(node: DictConfig, **kwargs):
         raise
 
 
-def print_summary(trainer: L.Trainer, cfg: DictConfig) -> None:
-    """Where the best checkpoint is, a short sample from it, and how to get more."""
+# The data each kind of model trains on, and the choices that provide it.
+DATA_FOR = {
+    LanguageModelModule: (LMDataModule, "data=shakespeare_char"),
+    Seq2SeqModule: (
+        Seq2SeqDataModule,
+        "data=shakespeare_denoise, data=shakespeare_next_line or data=pairs",
+    ),
+}
+
+
+def check_model_fits_data(module_class: type, datamodule: L.LightningDataModule) -> None:
+    expected, choices = DATA_FOR[module_class]
+    if not isinstance(datamodule, expected):
+        picked = HydraConfig.get().runtime.choices
+        raise ValueError(
+            f"model={picked.get('model')} cannot train on data={picked.get('data')}: use {choices}"
+        )
+
+
+def print_summary(trainer: L.Trainer, cfg: DictConfig, datamodule) -> None:
+    """Where the best checkpoint is, what it produces, and the command to get more."""
     callback = trainer.checkpoint_callback
     best = callback.best_model_path if callback else ""
     if not best:
         return
     print(f"\nbest checkpoint: {best} (val/loss {callback.best_model_score:.4f})")
     model, tokenizer, _ = load_checkpoint(Path(best))
+    command = f"python generate.py ckpt={cfg.paths.output_dir}"
+    if isinstance(model, EncoderDecoder):
+        pairs = datamodule.val_texts(3)
+        sources = [source for source, _ in datamodule.val_pairs(3)]
+        source, mask = pad_sequences(sources, tokenizer.pad_id)
+        outputs = decode_greedy_or_sample(
+            model,
+            source,
+            mask,
+            **decoding_ids(tokenizer),
+            max_new_tokens=model.config.max_target_len,
+            greedy=True,
+        )
+        for (source_text, target_text), output in zip(pairs, outputs, strict=True):
+            print(f"\nsource: {source_text}\noutput: {tokenizer.decode(output)}")
+            print(f"target: {target_text}")
+        print(f"\nmore: {command} {shlex.quote(f'source={pairs[0][0]}')} decoding=beam")
+        return
     sample = SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True))
     print("sample:\n")
     stream_samples(model, tokenizer, sample, torch.device("cpu"))
-    prompt = shlex.quote(f"prompt={sample.prompt}")
-    print(f"\nmore: python generate.py ckpt={cfg.paths.output_dir} {prompt} max_new_tokens=500")
+    print(f"\nmore: {command} {shlex.quote(f'prompt={sample.prompt}')} max_new_tokens=500")
+
+
+def describe_baseline(datamodule) -> str:
+    """What a model must beat on this data."""
+    if isinstance(datamodule, LMDataModule):
+        return f"unigram baseline val loss {datamodule.unigram_loss():.3f}"
+    copy = datamodule.copy_baseline()
+    return (
+        f"copy-the-source baseline: exact match {copy['exact_match']:.3f}, "
+        f"character error rate {copy['cer']:.3f}"
+    )
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -54,6 +111,8 @@ def train(cfg: DictConfig) -> float | None:
     SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True))
     model_config = instantiate_checked(cfg.model)
     datamodule = instantiate_checked(cfg.data)
+    module_class = module_for(model_config)
+    check_model_fits_data(module_class, datamodule)
     callbacks = [instantiate_checked(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate_checked(c) for c in (cfg.get("logger") or {}).values()]
     L.seed_everything(cfg.seed, workers=True)
@@ -63,7 +122,7 @@ def train(cfg: DictConfig) -> float | None:
     model_config = dataclasses.replace(model_config, vocab_size=datamodule.vocab_size)
     run_config = OmegaConf.to_container(cfg, resolve=True)
     run_config["model"]["vocab_size"] = datamodule.vocab_size
-    module = LanguageModelModule(
+    module = module_class(
         model=model_config.to_dict(),
         optim=dataclasses.asdict(optim),
         tokenizer=datamodule.tokenizer.to_dict(),
@@ -71,7 +130,7 @@ def train(cfg: DictConfig) -> float | None:
     )
     print(
         f"model: {module.model.num_parameters() / 1e6:.2f}M parameters; "
-        f"unigram baseline val loss {datamodule.unigram_loss():.3f}"
+        f"{describe_baseline(datamodule)}"
     )
     for logger in loggers:
         logger.log_hyperparams(run_config)
@@ -79,7 +138,7 @@ def train(cfg: DictConfig) -> float | None:
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
 
     if trainer.is_global_zero:
-        print_summary(trainer, cfg)
+        print_summary(trainer, cfg, datamodule)
     if any(isinstance(logger, WandbLogger) for logger in loggers):
         wandb.finish()  # a multirun's next job must not log into this run
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None

@@ -1,11 +1,7 @@
 """Next-token language-modelling data: a corpus split into train/val, tokenized once into a
 cache of flat token arrays, and served as (x, y) blocks with y one token ahead of x."""
 
-import hashlib
 import json
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data.cache import build_once, entry_path
 from data.sources import load_shakespeare, train_val_split
 from data.tokenizer import CharTokenizer, load_tokenizer
 
@@ -94,29 +91,12 @@ class LMDataModule(L.LightningDataModule):
     def cache_entry(self) -> Path:
         """Directory holding the tokenized corpus; block and batch size don't affect it."""
         c = self.config
-        key = json.dumps([c.source, c.tokenizer, c.val_fraction, FORMAT_VERSION])
-        return Path(c.cache_dir) / "lm" / hashlib.sha256(key.encode()).hexdigest()[:12]
+        return entry_path(
+            c.cache_dir, "lm", [c.source, c.tokenizer, c.val_fraction, FORMAT_VERSION]
+        )
 
     def prepare_data(self) -> None:
-        entry = self.cache_entry
-        self.cache_hit = (entry / "meta.json").exists()
-        if self.cache_hit:
-            return
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        # Build in a private directory and rename it into place: a crash leaves only an orphan
-        # temp directory, and concurrent builders (one per node under DDP) never see half an entry.
-        tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        try:
-            self._build(tmp)
-            try:
-                os.rename(tmp, entry)
-            except OSError:
-                if not (entry / "meta.json").exists():
-                    raise
-                # Another process finished the same build first; its entry is as good as ours.
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        self.cache_hit = build_once(self.cache_entry, self._build)
 
     def _build(self, out: Path) -> None:
         c = self.config

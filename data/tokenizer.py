@@ -8,21 +8,56 @@ from pathlib import Path
 
 
 class CharTokenizer:
-    """One token per character; the vocabulary is the sorted set of characters it was built from."""
+    """One token per character; the vocabulary is the sorted set of characters it was built from.
 
-    def __init__(self, chars: Sequence[str]):
+    Optional special tokens (e.g. "<pad>", "<bos>", "<eos>", "<mask>") take ids 0..n-1 and the
+    characters follow. Specials mark structure, not text: `encode` never produces them, and
+    `decode` leaves them out unless asked to render them by name.
+    """
+
+    def __init__(self, chars: Sequence[str], specials: Sequence[str] = ()):
         if any(len(c) != 1 for c in chars) or len(set(chars)) != len(chars):
             raise ValueError(f"CharTokenizer needs distinct single characters, got {chars!r}")
+        if len(set(specials)) != len(specials) or set(specials) & set(chars) or "" in specials:
+            raise ValueError(
+                f"CharTokenizer specials must be distinct non-empty names that are not "
+                f"characters of the vocabulary, got {specials!r}"
+            )
         self.chars = list(chars)
-        self._ids = {c: i for i, c in enumerate(self.chars)}
+        self.specials = list(specials)
+        self._tokens = self.specials + self.chars
+        self._ids = {c: i for i, c in enumerate(self.chars, start=len(self.specials))}
 
     @classmethod
-    def from_text(cls, text: str) -> "CharTokenizer":
-        return cls(sorted(set(text)))
+    def from_text(cls, text: str, specials: Sequence[str] = ()) -> "CharTokenizer":
+        return cls(sorted(set(text)), specials)
 
     @property
     def vocab_size(self) -> int:
-        return len(self.chars)
+        return len(self._tokens)
+
+    def _special(self, name: str) -> int | None:
+        return self.specials.index(name) if name in self.specials else None
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._special("<pad>")
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._special("<bos>")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._special("<eos>")
+
+    @property
+    def mask_id(self) -> int | None:
+        return self._special("<mask>")
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(range(len(self.specials)))
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -36,15 +71,17 @@ class CharTokenizer:
                 "so use only characters that occur there"
             ) from None
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text for `ids`; with skip_special=False specials appear by name, e.g. "<mask>"."""
+        n = len(self.specials)
+        return "".join(self._tokens[i] for i in ids if not (skip_special and 0 <= i < n))
 
     def to_dict(self) -> dict:
-        return {"type": "char", "chars": self.chars}
+        return {"type": "char", "chars": self.chars, "specials": self.specials}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CharTokenizer":
-        return cls(d["chars"])
+        return cls(d["chars"], d.get("specials", ()))  # files saved before specials have none
 
     def save(self, path: str | os.PathLike) -> None:
         _write_atomic(Path(path), json.dumps(self.to_dict()))

@@ -7,7 +7,6 @@ standard deviation of the pre-softmax scores, the saturation diagnostic: with sc
 much wider than ~1, softmax is close to one-hot and its gradients vanish.
 """
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +34,8 @@ class AttentionRecord:
 
 
 def readable_name(module_path: str) -> str:
-    """'decoder.blocks.1.cross_attn' -> 'decoder/layer1/cross_attn'."""
-    return re.sub(r"blocks\.(\d+)", r"layer\1", module_path).replace(".", "/")
+    """'blocks.0.attn' -> 'layer0/attn'; 'decoder.1.cross_attn' -> 'decoder/layer1/cross_attn'."""
+    return re.sub(r"(blocks\.)?(\d+)\.", r"layer\2.", module_path).replace(".", "/")
 
 
 @torch.no_grad()
@@ -81,31 +80,32 @@ def token_label(text: str) -> str:
 
 
 def plot_heads(
-    record: AttentionRecord,
+    records: list[AttentionRecord],
     query_labels: list[str] | None,
     key_labels: list[str] | None,
     title: str,
 ) -> Figure:
-    """One heatmap per head in a grid; queries on the y axis, keys on the x axis."""
-    n_head = record.weights.size(0)
-    cols = min(n_head, 4)
-    rows = math.ceil(n_head / cols)
-    figure = Figure(figsize=(3.2 * cols, 3.2 * rows + 0.4), layout="constrained")
+    """One heatmap per head, a row per record; queries on the y axis, keys on the x axis."""
+    rows, cols = len(records), max(r.weights.size(0) for r in records)
+    figure = Figure(figsize=(2.8 * cols, 2.8 * rows + 0.4), layout="constrained")
     FigureCanvasAgg(figure)
-    stats = head_statistics(record)
-    for head in range(n_head):
-        axes = figure.add_subplot(rows, cols, head + 1)
-        axes.imshow(record.weights[head].cpu().numpy(), cmap="viridis", vmin=0.0, aspect="auto")
-        axes.set_title(f"head {head}  H={stats['entropy'][head]:.2f}", fontsize=8)
-        for labels, set_ticks, set_labels in (
-            (key_labels, axes.set_xticks, axes.set_xticklabels),
-            (query_labels, axes.set_yticks, axes.set_yticklabels),
-        ):
-            if labels is None:
-                set_ticks([])
-                continue
-            set_ticks(range(len(labels)))
-            set_labels([token_label(t) for t in labels], fontsize=5, fontfamily="monospace")
+    for row, record in enumerate(records):
+        entropy = head_statistics(record)["entropy"]
+        for head in range(record.weights.size(0)):
+            axes = figure.add_subplot(rows, cols, row * cols + head + 1)
+            weights = record.weights[head].cpu().numpy()
+            axes.imshow(weights, cmap="viridis", vmin=0.0, aspect="auto")
+            name = f"{record.name} " if rows > 1 else ""
+            axes.set_title(f"{name}head {head}  H={entropy[head]:.2f}", fontsize=8)
+            for labels, set_ticks, set_labels in (
+                (key_labels, axes.set_xticks, axes.set_xticklabels),
+                (query_labels, axes.set_yticks, axes.set_yticklabels),
+            ):
+                if labels is None:
+                    set_ticks([])
+                    continue
+                set_ticks(range(len(labels)))
+                set_labels([token_label(t) for t in labels], fontsize=5, fontfamily="monospace")
     figure.suptitle(title, fontsize=10)
     return figure
 
@@ -152,25 +152,20 @@ class AttentionMapLogger(L.Callback):
         if step == self._last_logged_step or not trainer.is_global_zero:
             return
         self._last_logged_step = step
-        datamodule = trainer.datamodule
-        block_size = pl_module.model.config.block_size
-        sample = datamodule.val_sample(min(self.sample_length, block_size)).to(pl_module.device)
+        run, labels_for = pl_module.attention_sample(trainer.datamodule, self.sample_length)
         was_training = pl_module.training
         pl_module.eval()
         try:
-            records = record_attention(pl_module.model, lambda: pl_module.model(sample[None]))
+            records = record_attention(pl_module.model, run)
         finally:
             pl_module.train(was_training)
-        labels = None
-        if sample.numel() <= self.max_labelled_tokens:
-            labels = [datamodule.tokenizer.decode([t]) for t in sample.tolist()]
-        self._publish(trainer, records, labels, step)
+        self._publish(trainer, records, labels_for, step)
 
     def _publish(
         self,
         trainer: L.Trainer,
         records: list[AttentionRecord],
-        labels: list[str] | None,
+        labels_for: Callable[[str], tuple[list[str], list[str]]],
         step: int,
     ) -> None:
         metrics: dict[str, float] = {}
@@ -184,7 +179,11 @@ class AttentionMapLogger(L.Callback):
         metrics["attention/entropy_mean"] = torch.cat(entropies).mean().item()
         images = {}
         for record in records:
-            figure = plot_heads(record, labels, labels, f"{record.name} — step {step}")
+            query_labels, key_labels = labels_for(record.name)
+            if max(len(query_labels), len(key_labels)) > self.max_labelled_tokens:
+                query_labels = key_labels = None
+            title = f"{record.name} — step {step}"
+            figure = plot_heads([record], query_labels, key_labels, title)
             if self.out_dir is not None:
                 path = self.out_dir / f"{record.name.replace('/', '_')}_step{step:06d}.png"
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,12 @@
-"""Decoding for the GPT: temperature, top-k and top-p (nucleus) sampling, or greedy."""
+"""Decoding: temperature, top-k and top-p (nucleus) sampling or greedy for both models, and
+beam search for the encoder-decoder."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+from model.encdec import EncoderDecoder
 from model.gpt import GPT
 
 
@@ -76,3 +78,138 @@ def generate(
             context = context[:, -max(1, block_size // 2) :]  # block_size 1: keep 1, not all
             cache = model.new_cache()
             logits, _ = model(context, cache=cache)
+
+
+def _until_eos(row: list[int], eos_id: int) -> list[int]:
+    return row[: row.index(eos_id)] if eos_id in row else row
+
+
+def decoding_ids(tokenizer) -> dict:
+    """The decoders' bos_id, eos_id and `never` (every other special token) for a tokenizer."""
+    eos = tokenizer.eos_id
+    never = sorted(set(tokenizer.special_ids) - {eos})
+    return {"bos_id": tokenizer.bos_id, "eos_id": eos, "never": never}
+
+
+def _forbid(logits: Tensor, never: Sequence[int]) -> Tensor:
+    """Logits (B, V) with the ids in `never` (padding, BOS, mask) made impossible."""
+    if not never:
+        return logits
+    return logits.index_fill(-1, torch.tensor(list(never), device=logits.device), float("-inf"))
+
+
+@torch.no_grad()
+def decode_greedy_or_sample(
+    model: EncoderDecoder,
+    source: Tensor,
+    source_mask: Tensor | None,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_new_tokens: int,
+    never: Sequence[int] = (),
+    use_cache: bool = True,
+    **sampling,
+) -> list[list[int]]:
+    """Decode each source (B, S) token by token until EOS; returns the tokens before EOS.
+
+    At most max_target_len tokens are produced: the decoder never saw longer targets. Ids in
+    `never` (the special tokens other than EOS) are never produced.
+    """
+    max_new_tokens = min(max_new_tokens, model.config.max_target_len)
+    memory = model.encode(source, source_mask)
+    tokens = torch.full((source.size(0), 1), bos_id, dtype=torch.long, device=source.device)
+    cache = model.new_cache(source.size(1), max_new_tokens) if use_cache else None
+    finished = torch.zeros(source.size(0), dtype=torch.bool, device=source.device)
+    for _ in range(max_new_tokens):
+        step_input = tokens[:, -1:] if use_cache else tokens
+        logits = _forbid(model.decode(step_input, memory, source_mask, cache=cache)[:, -1], never)
+        token = next_token(logits, **sampling).masked_fill(finished, eos_id)
+        tokens = torch.cat((tokens, token[:, None]), dim=1)
+        finished |= token == eos_id
+        if finished.all():
+            break
+    return [_until_eos(row, eos_id) for row in tokens[:, 1:].tolist()]
+
+
+@torch.no_grad()
+def beam_search(
+    model: EncoderDecoder,
+    source: Tensor,
+    source_mask: Tensor | None,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_new_tokens: int,
+    beam_size: int = 4,
+    length_penalty: float = 1.0,
+    never: Sequence[int] = (),
+) -> list[list[int]]:
+    """Keep the beam_size best partial targets per source; return the best finished one.
+
+    A hypothesis's score is its summed log-probability divided by length ** length_penalty,
+    where length counts its tokens including EOS (0: raw sum, which favours short outputs;
+    1: mean per token). Hypotheses still open after max_new_tokens are scored the same way,
+    without EOS. A hypothesis ending in EOS is finished when it ranks among the step's top
+    beam_size; a source is done once it has beam_size finished hypotheses (so a wider beam can
+    settle for a shorter output than greedy would). With beam_size=1 this is exactly greedy
+    decoding. Ids in `never` (the special tokens other than EOS) are never produced.
+    """
+    max_new_tokens = min(max_new_tokens, model.config.max_target_len)
+    batch, width = source.size(0), beam_size
+    rows = torch.arange(batch, device=source.device).repeat_interleave(width)
+    memory = model.encode(source, source_mask)[rows]
+    mask = source_mask[rows] if source_mask is not None else None
+    cache = model.new_cache(source.size(1), max_new_tokens)
+    tokens = torch.full((batch * width, 1), bos_id, dtype=torch.long, device=source.device)
+    scores = torch.full((batch, width), float("-inf"), device=source.device)
+    scores[:, 0] = 0.0  # all beams start identical: expand only the first
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    done = [False] * batch
+
+    for step in range(max_new_tokens):
+        logits = _forbid(model.decode(tokens[:, -1:], memory, mask, cache=cache)[:, -1], never)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        vocab = log_probs.size(-1)
+        total = (scores[..., None] + log_probs.view(batch, width, vocab)).view(batch, -1)
+        top_scores, top_index = total.topk(2 * width, dim=-1)
+        next_scores = torch.full_like(scores, float("-inf"))
+        next_beams = torch.zeros_like(scores, dtype=torch.long)
+        next_tokens = torch.full_like(scores, eos_id, dtype=torch.long)
+        for b in range(batch):
+            if done[b]:
+                continue
+            alive = 0
+            for rank, (score, index) in enumerate(
+                zip(top_scores[b].tolist(), top_index[b].tolist(), strict=True)
+            ):
+                beam, token = divmod(index, vocab)
+                if score == float("-inf") or alive == width:
+                    break
+                if token == eos_id:
+                    if rank < width:
+                        hypothesis = tokens[b * width + beam, 1:].tolist()
+                        finished[b].append((score / (step + 1) ** length_penalty, hypothesis))
+                    continue
+                next_scores[b, alive], next_beams[b, alive], next_tokens[b, alive] = (
+                    score,
+                    beam,
+                    token,
+                )
+                alive += 1
+            done[b] = len(finished[b]) >= width or alive == 0
+        if all(done):
+            break
+        index = (torch.arange(batch, device=source.device)[:, None] * width + next_beams).flatten()
+        tokens = torch.cat((tokens[index], next_tokens.flatten()[:, None]), dim=1)
+        cache.reorder(index)
+        scores = next_scores
+
+    length = max(tokens.size(1) - 1, 1)  # max_new_tokens=0: one empty hypothesis, no 0/0
+    for b in range(batch):
+        if not done[b]:  # out of steps: the surviving hypotheses compete as they are
+            for k in range(width):
+                if scores[b, k] > float("-inf"):
+                    hypothesis = tokens[b * width + k, 1:].tolist()
+                    finished[b].append((scores[b, k].item() / length**length_penalty, hypothesis))
+    return [max(hypotheses, key=lambda h: h[0])[1] for hypotheses in finished]

@@ -81,3 +81,32 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """Linear distance penalty -slope * |i - j|, shape (H, Tq, Tk), added to the scores."""
     distance = (q_pos[:, None] - k_pos[None, :]).abs().to(slopes.dtype)
     return -slopes[:, None, None] * distance
+
+
+class AddedPositions(nn.Module):
+    """Learned or sinusoidal positions, added to token embeddings (B, T, C).
+
+    For "rope", "alibi" and "none" it adds nothing: those act inside attention, or not at all.
+    `limit_key` names the config key that sets max_len, for the error message.
+    """
+
+    def __init__(self, kind: str, max_len: int, d_model: int, limit_key: str):
+        super().__init__()
+        self.kind, self.max_len, self.limit_key = kind, max_len, limit_key
+        if kind == "learned":
+            self.weight = nn.Parameter(torch.empty(max_len, d_model))
+            nn.init.normal_(self.weight, mean=0.0, std=0.02)
+        elif kind == "sinusoidal":
+            self.register_buffer("weight", sinusoidal_encoding(max_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x plus the encodings of positions offset .. offset + T - 1."""
+        if self.kind not in ("learned", "sinusoidal"):
+            return x
+        end = offset + x.size(1)
+        if end > self.max_len:
+            raise ValueError(
+                f"sequence of {end} tokens is longer than {self.limit_key}={self.max_len}, "
+                f"the longest {self.kind} position: shorten the input or raise {self.limit_key}"
+            )
+        return x + self.weight[offset:end]

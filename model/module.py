@@ -1,14 +1,28 @@
-"""The LightningModule: loss, optimizer groups, warm-up + cosine schedule, metric logging."""
+"""The LightningModules: loss, optimizer groups, warm-up + cosine schedule, metric logging.
+
+TrainingModule holds what both tasks share; LanguageModelModule trains the GPT on next-token
+prediction, Seq2SeqModule the encoder-decoder on (source, target) pairs.
+"""
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning as L
 import torch
+from torch import Tensor
 from torchmetrics import MeanMetric
 
+from data.metrics import character_error_rate
+from data.seq2seq import pad_sequences
+from data.tokenizer import tokenizer_from_dict
+from model.encdec import EncDecConfig, EncoderDecoder
+from model.generation import decode_greedy_or_sample, decoding_ids
 from model.gpt import GPT, GPTConfig
+
+# query labels and key labels of an attention map, by the map's name
+LabelsFor = Callable[[str], tuple[list[str], list[str]]]
 
 
 @dataclass
@@ -44,28 +58,37 @@ class OptimConfig:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine
 
 
-class LanguageModelModule(L.LightningModule):
-    """Trains a GPT on next-token prediction.
+class TrainingModule(L.LightningModule):
+    """Optimizer, schedule, throughput and validation loss, shared by both tasks.
 
     Constructor arguments are plain dicts so that the checkpoint's hyper_parameters hold the
     model config, the optimizer config, the tokenizer and the resolved run config, and a
     checkpoint loads with torch.load(weights_only=True) and nothing else.
     """
 
+    kind: str  # "gpt" or "encdec": recorded in the checkpoint, so generate.py knows the model
+
     def __init__(self, model: dict, optim: dict, tokenizer: dict, run_config: dict | None = None):
         super().__init__()
         self.save_hyperparameters(logger=False)
-        self.model = GPT(GPTConfig.from_dict(model))
+        self.hparams["kind"] = self.kind
+        self.model = build_model(self.kind, model)
+        self.tokenizer = tokenizer_from_dict(tokenizer)
         self.optim = OptimConfig(**optim)
         self.val_loss = MeanMetric()
         self._last_batch_end: float | None = None
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        return self.model(idx, targets)
+    def loss(self, batch) -> tuple[Tensor, Tensor, int]:
+        """(loss, logits, number of real tokens in the batch)."""
+        raise NotImplementedError
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
-        x, y = batch
-        _, loss = self.model(x, y)
+    def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
+        """A forward pass over a fixed validation sample, and the axis labels of its maps."""
+        raise NotImplementedError
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        loss, _, tokens = self.loss(batch)
+        self._batch_tokens = tokens
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         return loss
@@ -74,17 +97,16 @@ class LanguageModelModule(L.LightningModule):
         # Wall time between consecutive steps: data loading, forward, backward, optimizer.
         now = time.perf_counter()
         if self._last_batch_end is not None:
-            tokens = batch[0].numel() * self.trainer.world_size
+            tokens = self._batch_tokens * self.trainer.world_size
             self.log("train/tokens_per_sec", tokens / (now - self._last_batch_end))
         self._last_batch_end = now
 
     def on_validation_start(self) -> None:
         self._last_batch_end = None  # validation time is not training throughput
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        _, loss = self.model(x, y)
-        self.val_loss.update(loss, weight=y.numel())
+    def validation_step(self, batch, batch_idx: int) -> None:
+        loss, _, tokens = self.loss(batch)
+        self.val_loss.update(loss, weight=tokens)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
@@ -104,3 +126,112 @@ class LanguageModelModule(L.LightningModule):
         )
         schedule = {"scheduler": scheduler, "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+    def token_labels(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i], skip_special=False) for i in ids]
+
+
+class LanguageModelModule(TrainingModule):
+    """Next-token prediction with the GPT; batches are (x, y) blocks."""
+
+    kind = "gpt"
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, int]:
+        x, y = batch
+        logits, loss = self.model(x, y)
+        return loss, logits, y.numel()
+
+    def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
+        sample = datamodule.val_sample(min(length, self.model.config.block_size)).to(self.device)
+        labels = self.token_labels(sample.tolist())
+        return (lambda: self.model(sample[None])), (lambda name: (labels, labels))
+
+
+class Seq2SeqModule(TrainingModule):
+    """The encoder-decoder on (source, target) pairs, scored by loss, token accuracy, and by
+    exact match and character error rate of greedy decodes of a fixed validation subset."""
+
+    kind = "encdec"
+
+    def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, int]:
+        logits, loss = self.model(
+            batch["source"],
+            batch["target_in"],
+            batch["source_mask"],
+            batch["target_mask"],
+            batch["target_out"],
+        )
+        tokens = int(batch["source_mask"].sum() + batch["target_mask"].sum())
+        return loss, logits, tokens
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._correct = self._counted = 0
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, logits, tokens = self.loss(batch)
+        self.val_loss.update(loss, weight=tokens)
+        scored = batch["target_out"] != -100
+        self._correct += int((logits.argmax(-1) == batch["target_out"])[scored].sum())
+        self._counted += int(scored.sum())
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        self.log("val/token_accuracy", self._correct / max(1, self._counted), sync_dist=True)
+        exact_match, cer = self.decode_scores(self.trainer.datamodule)
+        self.log("val/exact_match", exact_match)
+        self.log("val/cer", cer)
+
+    def decode_scores(self, datamodule, batch_size: int = 128) -> tuple[float, float]:
+        """Exact match and character error rate of greedy decodes of the validation subset."""
+        pairs = datamodule.val_pairs(datamodule.config.val_subset)
+        predictions = []
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start : start + batch_size]
+            source, mask = pad_sequences([s for s, _ in chunk], self.tokenizer.pad_id)
+            source, mask = source.to(self.device), mask.to(self.device)
+            predictions += decode_greedy_or_sample(
+                self.model,
+                source,
+                mask,
+                **decoding_ids(self.tokenizer),
+                max_new_tokens=self.model.config.max_target_len,
+                greedy=True,
+            )
+        references = [target for _, target in pairs]
+        exact = sum(p == r for p, r in zip(predictions, references, strict=True)) / len(pairs)
+        return exact, character_error_rate(predictions, references)
+
+    def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
+        source_ids, target_ids = datamodule.val_pairs(1)[0]
+        source_ids = source_ids[:length]
+        target_in = [self.tokenizer.bos_id, *target_ids[: length - 1]]
+        source = torch.tensor([source_ids], device=self.device)
+        target = torch.tensor([target_in], device=self.device)
+        source_labels = self.token_labels(source_ids)
+        target_labels = self.token_labels(target_in)
+
+        def labels_for(name: str) -> tuple[list[str], list[str]]:
+            if name.startswith("encoder"):
+                return source_labels, source_labels
+            if name.endswith("cross_attn"):
+                return target_labels, source_labels
+            return target_labels, target_labels
+
+        return (lambda: self.model(source, target)), labels_for
+
+
+MODELS = {"gpt": (GPTConfig, GPT), "encdec": (EncDecConfig, EncoderDecoder)}
+MODULES = {GPTConfig: LanguageModelModule, EncDecConfig: Seq2SeqModule}
+
+
+def build_model(kind: str, config: dict) -> GPT | EncoderDecoder:
+    """The network of a checkpoint or run: its kind and its config dict."""
+    if kind not in MODELS:
+        raise ValueError(f"unknown model kind {kind!r}; known kinds are {sorted(MODELS)}")
+    config_class, model_class = MODELS[kind]
+    return model_class(config_class.from_dict(config))
+
+
+def module_for(config: GPTConfig | EncDecConfig) -> type[TrainingModule]:
+    return MODULES[type(config)]

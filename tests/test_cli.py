@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from wandb_offline import config, history
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -122,6 +122,36 @@ def test_tokenizer_save_load(tmp_path):
     assert tokenizer_from_dict(tok.to_dict()).vocab_size == tok.vocab_size == 9
 
 
+def test_tokenizer_specials(tmp_path):
+    specials = ("<pad>", "<bos>", "<eos>", "<mask>")
+    tok = CharTokenizer.from_text("ab c", specials=specials)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.mask_id) == (0, 1, 2, 3)
+    assert tok.special_ids == {0, 1, 2, 3} and tok.vocab_size == 8
+    assert tok.encode(" abc") == [4, 5, 6, 7]  # characters follow the specials, never are them
+    ids = [tok.bos_id, *tok.encode("ab"), tok.mask_id, *tok.encode("c"), tok.eos_id, tok.pad_id]
+    assert tok.decode(ids) == "abc"
+    assert tok.decode(ids, skip_special=False) == "<bos>ab<mask>c<eos><pad>"
+    path = tmp_path / "tok.json"
+    tok.save(path)
+    loaded = load_tokenizer(path)
+    assert loaded.to_dict() == tok.to_dict() and loaded.specials == list(specials)
+    assert loaded.decode(ids, skip_special=False) == tok.decode(ids, skip_special=False)
+
+
+def test_tokenizer_without_specials_and_old_files_load():
+    old = {"type": "char", "chars": ["a", "b"]}  # saved before specials existed
+    tok = tokenizer_from_dict(old)
+    assert tok.encode("ba") == [1, 0] and tok.decode([0, 1], skip_special=False) == "ab"
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.mask_id) == (None,) * 4
+    assert tok.special_ids == set() and tok.to_dict() == {**old, "specials": []}
+
+
+@pytest.mark.parametrize("specials", [("<pad>", "<pad>"), ("a",), ("",)])
+def test_tokenizer_rejects_bad_specials(specials):
+    with pytest.raises(ValueError, match="specials must be distinct"):
+        CharTokenizer(["a", "b"], specials)
+
+
 def test_tokenizer_errors(tmp_path):
     tok = CharTokenizer.from_text("abc")
     with pytest.raises(ValueError, match="2 character.*: 'z', '\u00e9'; .*training corpus"):

@@ -1,0 +1,406 @@
+"""Sequence-to-sequence data for the encoder-decoder: (source, target) text pairs, either built
+from the Shakespeare corpus (`denoise`: restore a corrupted passage; `next_line`: continue a
+speech) or read from any dataset with two text columns (`pairs`), tokenized once into a cache
+and served as padded batches with padding masks."""
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data.cache import build_once, entry_path
+from data.metrics import character_error_rate
+from data.pairs import (
+    MASK,
+    MIN_PASSAGE,
+    Ragged,
+    corrupt_chars,
+    corrupt_spans,
+    expand_paths,
+    load_pair_texts,
+    next_line_pairs,
+    passages,
+    split_rows,
+)
+from data.sources import load_shakespeare, train_val_split
+from data.tokenizer import CharTokenizer, load_tokenizer
+
+# Bump whenever the cache entry's contents change meaning (passages, corruption, file layout).
+FORMAT_VERSION = 1
+TASKS = ("denoise", "next_line", "pairs")
+CORRUPTIONS = ("char", "span")
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<mask>")
+IGNORE_INDEX = -100  # F.cross_entropy's default: padded target positions add no loss
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
+def _is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+@dataclass
+class Seq2SeqDataConfig:
+    task: str = "denoise"
+    corruption: str = "char"
+    noise_rate: float = 0.15
+    mean_span: float = 3
+    max_source_len: int = 96  # source tokens, <mask> included
+    max_target_len: int = 96  # decoder positions: <bos> + target (or target + <eos>)
+    batch_size: int = 64
+    val_fraction: float = 0.1
+    cache_dir: str = ".cache/tinyformer"
+    num_workers: int = 0
+    seed: int = 1234
+    paths: list[str] = field(default_factory=list)
+    hub_name: str | None = None
+    hub_config: str | None = None
+    source_column: str = "source"
+    target_column: str = "target"
+    val_subset: int = 256
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, key: str, expected: str) -> None:
+            if not ok:
+                raise ValueError(f"data.{key} must be {expected}, got {getattr(self, key)!r}")
+
+        check(self.task in TASKS, "task", f"one of {list(TASKS)}")
+        check(self.corruption in CORRUPTIONS, "corruption", f"one of {list(CORRUPTIONS)}")
+        rate = self.noise_rate
+        check(_is_number(rate) and 0 < rate < 1, "noise_rate", "a number between 0 and 1")
+        check(_is_number(self.mean_span) and self.mean_span >= 1, "mean_span", "a number >= 1")
+        # A denoising source holds a whole passage; a target also needs room for <bos>/<eos>.
+        shortest = MIN_PASSAGE if self.task == "denoise" else 1
+        for key, least in (("max_source_len", shortest), ("max_target_len", shortest + 1)):
+            check(_is_int(getattr(self, key), least), key, f"an integer >= {least} for {self.task}")
+        for key in ("batch_size", "val_subset"):
+            check(_is_int(getattr(self, key), 1), key, "a positive integer")
+        check(_is_int(self.num_workers, 0), "num_workers", "a non-negative integer")
+        check(_is_int(self.seed, 0), "seed", "a non-negative integer")
+        v = self.val_fraction
+        check(_is_number(v) and 0 < v < 1, "val_fraction", "a number between 0 and 1")
+        check(bool(self.cache_dir), "cache_dir", "a directory path")
+        for key in ("source_column", "target_column"):
+            check(isinstance(getattr(self, key), str) and getattr(self, key), key, "a column name")
+        # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
+        self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
+        check(all(isinstance(p, str) and p for p in self.paths), "paths", "a list of file paths")
+        check(self.hub_config is None or bool(self.hub_name), "hub_config", "null without hub_name")
+        if self.task != "pairs" and (self.paths or self.hub_name):
+            raise ValueError(
+                f"data.paths and data.hub_name are only read by task=pairs, got task={self.task}; "
+                "use data=pairs"
+            )
+        if self.task == "pairs" and bool(self.paths) == bool(self.hub_name):
+            raise ValueError(
+                "task=pairs needs exactly one of data.paths (local files) and data.hub_name, "
+                f"got paths={self.paths} and hub_name={self.hub_name!r}; "
+                "e.g. data=pairs data.paths=[pairs.jsonl]"
+            )
+
+
+# --- Tokenizing and batching -------------------------------------------------------------------
+
+Split = tuple[Ragged, Ragged]  # (sources, targets)
+
+
+def tokenize(splits: dict[str, Split]) -> tuple[CharTokenizer, dict[str, Split], int]:
+    """A char tokenizer (with SPECIALS) fit on the train split only, and every split as token
+    ids. Characters seen only in validation have no id: they are dropped, and counted."""
+    train = np.concatenate([texts.flat for texts in splits["train"]])
+    chars = np.unique(train[train != MASK])
+    tokenizer = CharTokenizer([chr(c) for c in chars], SPECIALS)
+    encoded, dropped = {}, 0
+    for split, pair in splits.items():
+        sides = []
+        for texts in pair:
+            at = np.searchsorted(chars, texts.flat).clip(max=len(chars) - 1)
+            ids = np.where(texts.flat == MASK, tokenizer.mask_id, at + len(SPECIALS))
+            known = (chars[at] == texts.flat) | (texts.flat == MASK)
+            sides.append(Ragged(ids, texts.offsets).keep_elements(known))
+            dropped += int((~known).sum())
+        encoded[split] = tuple(sides)
+    return tokenizer, encoded, dropped
+
+
+def drop_empty_sources(pair: Split) -> tuple[Split, int]:
+    """Pairs whose source is empty removed: an all-padding row leaves attention nothing to see."""
+    sources, targets = pair
+    rows = np.flatnonzero(np.diff(sources.offsets) > 0)
+    if len(rows) == len(sources):
+        return pair, 0
+    return (sources.select(rows), targets.select(rows)), len(sources) - len(rows)
+
+
+class PairDataset(Dataset):
+    """(source ids, target ids) as int64 arrays, without <bos>/<eos>."""
+
+    def __init__(self, sources: Ragged, targets: Ragged):
+        self.sources, self.targets = sources, targets
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.sources[i].astype(np.int64), self.targets[i].astype(np.int64)
+
+
+def pad_sequences(
+    sequences: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad id sequences into (B, L) ids and a (B, L) mask, True at real tokens."""
+    lengths = torch.tensor([len(s) for s in sequences])
+    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
+    return ids, torch.arange(ids.size(1)) < lengths[:, None]
+
+
+def collate_pairs(
+    items: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int, bos_id: int, eos_id: int
+) -> dict[str, torch.Tensor]:
+    """Pad a batch to its longest source (S) and longest target + 1 (T).
+
+    source (B, S) and source_mask (B, S), True at real tokens: the source is just the text, no
+    <bos>/<eos>, since the encoder reads it whole and the mask says where it ends.
+    target_in (B, T) = <bos> + target, target_out (B, T) = target + <eos> with IGNORE_INDEX at
+    padding, and target_mask (B, T), True at the real positions of both.
+    """
+    source, source_mask = pad_sequences([s for s, _ in items], pad_id)
+    target_lens = torch.tensor([len(t) + 1 for _, t in items])
+    shape_t = (len(items), int(target_lens.max()))
+    target_in = torch.full(shape_t, pad_id, dtype=torch.long)
+    target_out = torch.full(shape_t, IGNORE_INDEX, dtype=torch.long)
+    for row, (_, t) in enumerate(items):
+        target_in[row, : len(t) + 1] = torch.from_numpy(np.concatenate(([bos_id], t)))
+        target_out[row, : len(t) + 1] = torch.from_numpy(np.concatenate((t, [eos_id])))
+    return {
+        "source": source,
+        "source_mask": source_mask,
+        "target_in": target_in,
+        "target_out": target_out,
+        "target_mask": torch.arange(shape_t[1]) < target_lens[:, None],
+    }
+
+
+# --- The tasks and the data module -------------------------------------------------------------
+
+Facts = dict[str, object]  # what a task reports about its build, kept in meta.json
+
+
+def _shakespeare_scripts(c: Seq2SeqDataConfig) -> dict[str, str]:
+    texts = load_shakespeare(Path(c.cache_dir))["text"]
+    return dict(zip(("train", "val"), train_val_split(texts, c.val_fraction), strict=True))
+
+
+def denoise_task(c: Seq2SeqDataConfig) -> tuple[dict[str, Split], Facts]:
+    """Passages as targets, corrupted copies as sources; every pair is corrupted once, here, so
+    the data are fixed by the seed. Val gets its own random stream: its noise doesn't depend
+    on how much training text came before."""
+    limit = min(c.max_source_len, c.max_target_len - 1)
+    splits, noise = {}, {}
+    rngs = np.random.default_rng(c.seed).spawn(2)
+    for (split, script), rng in zip(_shakespeare_scripts(c).items(), rngs, strict=True):
+        targets = Ragged.from_texts(passages(script, limit))
+        if c.corruption == "char":
+            sources = Ragged(corrupt_chars(targets.flat, c.noise_rate, rng), targets.offsets)
+            noise[split] = float(np.mean(sources.flat != targets.flat))
+        else:
+            sources, noise[split] = corrupt_spans(targets, c.noise_rate, c.mean_span, rng)
+        splits[split] = (sources, targets)
+    return splits, {"noise_fraction": noise}
+
+
+def next_line_task(c: Seq2SeqDataConfig) -> tuple[dict[str, Split], Facts]:
+    splits = {}
+    for split, script in _shakespeare_scripts(c).items():
+        sources, targets = next_line_pairs(script, c.max_source_len, c.max_target_len - 1)
+        splits[split] = (Ragged.from_texts(sources), Ragged.from_texts(targets))
+    return splits, {}
+
+
+def pairs_task(c: Seq2SeqDataConfig) -> tuple[dict[str, Split], Facts]:
+    sources, targets = load_pair_texts(c)
+    train_rows, val_rows = split_rows(len(sources), c.val_fraction, c.seed)
+    splits = {}
+    for split, rows in (("train", train_rows), ("val", val_rows)):
+        cut_sources = [sources[i][: c.max_source_len] for i in rows]
+        cut_targets = [targets[i][: c.max_target_len - 1] for i in rows]
+        splits[split] = (Ragged.from_texts(cut_sources), Ragged.from_texts(cut_targets))
+    return splits, {}
+
+
+TASK_BUILDERS = {"denoise": denoise_task, "next_line": next_line_task, "pairs": pairs_task}
+
+
+class Seq2SeqDataModule(L.LightningDataModule):
+    """(source, target) pairs for the encoder-decoder; Seq2SeqDataConfig documents the options."""
+
+    def __init__(
+        self,
+        task: str = "denoise",
+        corruption: str = "char",
+        noise_rate: float = 0.15,
+        mean_span: float = 3,
+        max_source_len: int = 96,
+        max_target_len: int = 96,
+        batch_size: int = 64,
+        val_fraction: float = 0.1,
+        cache_dir: str = ".cache/tinyformer",
+        num_workers: int = 0,
+        seed: int = 1234,
+        paths: Sequence[str] = (),
+        hub_name: str | None = None,
+        hub_config: str | None = None,
+        source_column: str = "source",
+        target_column: str = "target",
+        val_subset: int = 256,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = Seq2SeqDataConfig(**self.hparams)
+        self.cache_hit = False
+        self._tokenizer: CharTokenizer | None = None
+        self._splits: dict[str, Split] = {}
+
+    def _cache_key(self) -> dict:
+        """Everything that changes the prepared pairs; batching and val_subset don't."""
+        c = self.config
+        key: dict = {"version": FORMAT_VERSION, "task": c.task, "val_fraction": c.val_fraction}
+        key["max_len"] = [c.max_source_len, c.max_target_len]
+        if c.task == "denoise":
+            key |= {"corruption": c.corruption, "noise_rate": c.noise_rate, "seed": c.seed}
+            if c.corruption == "span":
+                key["mean_span"] = c.mean_span
+        elif c.task == "pairs":
+            key |= {"seed": c.seed, "columns": [c.source_column, c.target_column]}
+            key |= {"hub": [c.hub_name, c.hub_config]}
+            # Size and modification time, so an edited file gets a fresh entry.
+            stats = [(f, f.stat()) for f in expand_paths(c.paths)]
+            key["files"] = [[str(f), s.st_size, s.st_mtime_ns] for f, s in stats]
+        return key
+
+    @property
+    def cache_entry(self) -> Path:
+        return entry_path(self.config.cache_dir, "seq2seq", self._cache_key())
+
+    def prepare_data(self) -> None:
+        self.cache_hit = build_once(self.cache_entry, self._build)
+
+    def _build(self, out: Path) -> None:
+        texts, facts = TASK_BUILDERS[self.config.task](self.config)
+        tokenizer, splits, val_chars_dropped = tokenize(texts)
+        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        meta = {"key": self._cache_key(), "dtype": np.dtype(dtype).name, **facts}
+        meta |= {"vocab_size": tokenizer.vocab_size, "val_chars_dropped": val_chars_dropped}
+        for split, pair in splits.items():
+            pair, meta[f"{split}_empty_sources_dropped"] = drop_empty_sources(pair)
+            meta[f"{split}_pairs"] = len(pair[0])
+            for side, seqs in zip(("source", "target"), pair, strict=True):
+                np.save(out / f"{split}_{side}_ids.npy", seqs.flat.astype(dtype))
+                np.save(out / f"{split}_{side}_offsets.npy", seqs.offsets)
+        tokenizer.save(out / "tokenizer.json")
+        (out / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._tokenizer is not None:
+            return
+        entry = self.cache_entry
+        if not (entry / "meta.json").exists():
+            raise FileNotFoundError(f"no prepared data in {entry}; call prepare_data() first")
+        for split in ("train", "val"):
+            self._splits[split] = tuple(
+                Ragged(
+                    np.load(entry / f"{split}_{side}_ids.npy", mmap_mode="r"),
+                    np.load(entry / f"{split}_{side}_offsets.npy"),
+                )
+                for side in ("source", "target")
+            )
+        n_train, batch = len(self._splits["train"][0]), self.config.batch_size
+        if n_train < batch:
+            raise ValueError(
+                f"data.batch_size={batch} is more than the {n_train} training pairs; "
+                "lower data.batch_size"
+            )
+        self._tokenizer = load_tokenizer(entry / "tokenizer.json")
+
+    def _require_setup(self) -> None:
+        if self._tokenizer is None:
+            raise RuntimeError("Seq2SeqDataModule is not set up; call prepare_data() and setup()")
+
+    def _split(self, name: str) -> Split:
+        self._require_setup()
+        return self._splits[name]
+
+    @property
+    def tokenizer(self) -> CharTokenizer:
+        self._require_setup()
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    @property
+    def bos_id(self) -> int:
+        return self.tokenizer.bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        workers = self.config.num_workers
+        collate = partial(collate_pairs, pad_id=self.pad_id, bos_id=self.bos_id, eos_id=self.eos_id)
+        return DataLoader(
+            PairDataset(*self._split(split)),
+            batch_size=self.config.batch_size,
+            shuffle=train,
+            drop_last=train,  # a short last batch would be an oddly weighted training step
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", train=False)
+
+    def val_pairs(self, n: int) -> list[tuple[list[int], list[int]]]:
+        """The first n (or all, if fewer) validation pairs as (source ids, target ids): a fixed
+        sample for attention maps and exact-match decoding. Sources are what the encoder reads
+        (<mask> tokens included); targets carry no <bos>/<eos>."""
+        if not _is_int(n, 1):
+            raise ValueError(f"val_pairs needs a positive number of pairs, got {n!r}")
+        sources, targets = self._split("val")
+        return [(sources[i].tolist(), targets[i].tolist()) for i in range(min(n, len(sources)))]
+
+    def val_texts(self, n: int) -> list[tuple[str, str]]:
+        """`val_pairs(n)` decoded; sources show <mask> tokens by name."""
+        decode = self.tokenizer.decode
+        return [(decode(s, skip_special=False), decode(t)) for s, t in self.val_pairs(n)]
+
+    def copy_baseline(self) -> dict[str, float]:
+        """Exact match and character error rate, over the first val_subset validation pairs, of
+        predicting the source itself (minus <mask> tokens): the trivial score to beat."""
+        pairs = self.val_pairs(self.config.val_subset)
+        specials = self.tokenizer.special_ids
+        predictions = [[i for i in source if i not in specials] for source, _ in pairs]
+        references = [target for _, target in pairs]
+        exact = sum(p == r for p, r in zip(predictions, references, strict=True)) / len(pairs)
+        return {"exact_match": exact, "cer": character_error_rate(predictions, references)}

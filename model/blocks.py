@@ -1,0 +1,152 @@
+"""What the GPT and the encoder-decoder share: config core, blocks, init, weight-decay groups."""
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from torch import Tensor, nn
+
+from model.attention import AttentionConfig, KVCache, MultiHeadAttention
+from model.layers import MLP
+
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+# RoPE and ALiBi act inside self-attention; the others are added to the embeddings.
+POSITIONS_IN_ATTENTION = ("rope", "alibi")
+
+
+def check_positive_int(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.{key} must be a positive integer, got {value}")
+
+
+@dataclass
+class TransformerConfig:
+    """Width, positions, regularisation and attention: `model.*` on the command line."""
+
+    vocab_size: int | None = None  # None until the tokenizer is known
+    n_embd: int = 128
+    position: str = "learned"
+    dropout: float = 0.0  # on embeddings and residual branches
+    bias: bool = True
+    mlp_ratio: int = 4
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attention, dict):
+            self.attention = AttentionConfig(**self.attention)
+        if self.vocab_size is not None:
+            check_positive_int("vocab_size", self.vocab_size)
+        check_positive_int("n_embd", self.n_embd)
+        check_positive_int("mlp_ratio", self.mlp_ratio)
+        if self.position not in POSITIONS:
+            raise ValueError(
+                f"model.position={self.position!r} is not one of {', '.join(POSITIONS)}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        n_head = self.attention.n_head
+        if self.n_embd % n_head:
+            divisors = [h for h in range(1, min(self.n_embd, 64) + 1) if self.n_embd % h == 0]
+            raise ValueError(
+                f"model.n_embd={self.n_embd} is not divisible by model.attention.n_head={n_head}: "
+                f"pick n_head among {divisors} or change n_embd"
+            )
+        if self.position == "rope" and (self.n_embd // n_head) % 2:
+            raise ValueError(
+                f"model.position=rope needs an even head dimension, but model.n_embd={self.n_embd}"
+                f" / model.attention.n_head={n_head} = {self.n_embd // n_head}"
+            )
+
+    @property
+    def attention_position(self) -> str:
+        """The position scheme self-attention applies itself ("none" for added embeddings)."""
+        return self.position if self.position in POSITIONS_IN_ATTENTION else "none"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}"
+            )
+        return cls(**values)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block: x + self_attn(ln(x)), [x + cross_attn(ln(x), memory)], x + mlp(ln(x)).
+
+    GPT blocks are causal; encoder blocks are not; decoder blocks are causal and cross-attend.
+    """
+
+    def __init__(self, config: TransformerConfig, *, causal: bool, cross: bool = False):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = MultiHeadAttention(
+            config.n_embd,
+            config.attention,
+            causal=causal,
+            position=config.attention_position,
+            bias=config.bias,
+            resid_dropout=config.dropout,
+        )
+        if cross:
+            self.ln_cross = nn.LayerNorm(config.n_embd, bias=config.bias)
+            # Source and target positions are unrelated: no causality, no relative position,
+            # and no window (it would tie target position t to source positions near t).
+            self.cross_attn = MultiHeadAttention(
+                config.n_embd,
+                replace(config.attention, window=None),
+                bias=config.bias,
+                resid_dropout=config.dropout,
+            )
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config.n_embd, config.mlp_ratio * config.n_embd, config.dropout, config.bias)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        padding_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        cross_cache: KVCache | None = None,
+    ) -> Tensor:
+        """x (B, T, C); masks (B, T) / (B, S) True for real tokens; memory (B, S, C)."""
+        x = x + self.attn(self.ln_1(x), key_padding_mask=padding_mask, cache=cache)[0]
+        if memory is not None:
+            attended = self.cross_attn(
+                self.ln_cross(x), memory, key_padding_mask=memory_mask, cache=cross_cache
+            )[0]
+            x = x + attended
+        return x + self.mlp(self.ln_2(x))
+
+
+def init_weights(model: nn.Module, n_layer: int) -> None:
+    """GPT-2 init: N(0, 0.02) weights, zero biases, and residual output projections scaled by
+    1/sqrt(2 * n_layer) so that the residual stream's variance does not grow with depth."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    for name, param in model.named_parameters():
+        if name.endswith(("attn.out_proj.weight", "mlp.proj.weight")):
+            nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+
+def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms, biases and embeddings keep weight decay 0."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        is_matrix = param.dim() >= 2 and "emb" not in name
+        (decay if is_matrix else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
