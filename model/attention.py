@@ -230,15 +230,23 @@ class MultiHeadAttention(nn.Module):
         return x.view(batch, length, n_head, self.head_dim).transpose(1, 2)
 
     def _project(
-        self, x: Tensor, context: Tensor | None, cache: KVCache | None
+        self, x: Tensor, context: Tensor | None, cache: KVCache | None, query_offset: int = 0
     ) -> tuple[Tensor, Tensor, Tensor, int]:
-        """q (B, H, Tq, D), k and v (B, Hkv, Tk, D), and the absolute position of x's first row."""
+        """q (B, H, Tq, D), k and v (B, Hkv, Tk, D), and the absolute position of x's first row.
+
+        For cross-attention with RoPE, queries sit at target positions from query_offset and
+        keys at source positions from 0, so scores depend on the offset between the two.
+        """
         q = self._split_heads(self.q_proj(x), self.n_head)
         if context is not None:  # cross-attention: keys come from another sequence
+            if self.rope is not None:
+                q = self.rope(q, query_offset)
             if cache is not None and cache.length:
                 return q, cache.keys, cache.values, 0
             k = self._split_heads(self.k_proj(context), self.n_kv_head)
             v = self._split_heads(self.v_proj(context), self.n_kv_head)
+            if self.rope is not None:
+                k = self.rope(k)
             if cache is not None:
                 k, v = cache.append(k, v)
             return q, k, v, 0
@@ -310,8 +318,9 @@ class MultiHeadAttention(nn.Module):
         attn_mask: Tensor | None = None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        query_offset: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
-        q, k, v, offset = self._project(x, context, cache)
+        q, k, v, offset = self._project(x, context, cache, query_offset)
         q_len, k_len = q.size(-2), k.size(-2)
         dropout_p = self.attn_dropout if self.training else 0.0
         weights = None
@@ -347,8 +356,9 @@ class MultiHeadAttention(nn.Module):
         *,
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
+        query_offset: int = 0,
     ) -> Tensor:
         """Scaled pre-softmax scores (B, H, Tq, Tk), -inf where masked (saturation diagnostic)."""
-        q, k, _, offset = self._project(x, context, None)
+        q, k, _, offset = self._project(x, context, None, query_offset)
         mask = self._mask(q.size(-2), k.size(-2), offset, key_padding_mask, attn_mask, x.device)
         return attention_scores(q, k, mask, self.scale)

@@ -48,7 +48,9 @@ def record_attention(model: nn.Module, run: Callable[[], object]) -> list[Attent
 
     def hook(module: MultiHeadAttention, args: tuple, kwargs: dict, output: object) -> None:
         mask_kwargs = {
-            k: kwargs[k] for k in ("context", "key_padding_mask", "attn_mask") if k in kwargs
+            k: kwargs[k]
+            for k in ("context", "key_padding_mask", "attn_mask", "query_offset")
+            if k in kwargs
         }
         scores = module.scores(*args, **mask_kwargs)[0].float()
         records.append(AttentionRecord(names[module], masked_softmax(scores), scores))

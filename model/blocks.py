@@ -78,10 +78,13 @@ class TransformerConfig:
 class Block(nn.Module):
     """Pre-LayerNorm block: x + self_attn(ln(x)), [x + cross_attn(ln(x), memory)], x + mlp(ln(x)).
 
-    GPT blocks are causal; encoder blocks are not; decoder blocks are causal and cross-attend.
+    GPT blocks are causal; encoder blocks are not; decoder blocks are causal and cross-attend
+    (cross_position "rope" lets cross-attention see target-source offsets).
     """
 
-    def __init__(self, config: TransformerConfig, *, causal: bool, cross: bool = False):
+    def __init__(
+        self, config: TransformerConfig, *, causal: bool, cross_position: str | None = None
+    ):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = MultiHeadAttention(
@@ -92,13 +95,13 @@ class Block(nn.Module):
             bias=config.bias,
             resid_dropout=config.dropout,
         )
-        if cross:
+        if cross_position is not None:  # "none" or "rope": a decoder block
             self.ln_cross = nn.LayerNorm(config.n_embd, bias=config.bias)
-            # Source and target positions are unrelated: no causality, no relative position,
-            # and no window (it would tie target position t to source positions near t).
+            # No causality and no window over the source: the target may read all of it.
             self.cross_attn = MultiHeadAttention(
                 config.n_embd,
                 replace(config.attention, window=None),
+                position=cross_position,
                 bias=config.bias,
                 resid_dropout=config.dropout,
             )
@@ -116,10 +119,15 @@ class Block(nn.Module):
         cross_cache: KVCache | None = None,
     ) -> Tensor:
         """x (B, T, C); masks (B, T) / (B, S) True for real tokens; memory (B, S, C)."""
+        offset = cache.length if cache is not None else 0  # x's first position
         x = x + self.attn(self.ln_1(x), key_padding_mask=padding_mask, cache=cache)[0]
         if memory is not None:
             attended = self.cross_attn(
-                self.ln_cross(x), memory, key_padding_mask=memory_mask, cache=cross_cache
+                self.ln_cross(x),
+                memory,
+                key_padding_mask=memory_mask,
+                cache=cross_cache,
+                query_offset=offset,
             )[0]
             x = x + attended
         return x + self.mlp(self.ln_2(x))

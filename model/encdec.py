@@ -20,6 +20,8 @@ from model.blocks import (
 )
 from model.layers import AddedPositions
 
+CROSS_POSITIONS = ("none", "rope")
+
 
 @dataclass
 class EncDecConfig(TransformerConfig):
@@ -31,11 +33,24 @@ class EncDecConfig(TransformerConfig):
     max_target_len: int = 128  # counting the BOS token the decoder starts from
     shared_embeddings: bool = True  # one table for source and target tokens (and the head)
     label_smoothing: float = 0.0
+    # "rope": cross-attention scores see the offset between target and source positions, a
+    # prior for tasks whose output follows the input in order (denoising); "none": content only.
+    cross_position: str = "none"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("n_encoder_layer", "n_decoder_layer", "max_source_len", "max_target_len"):
             check_positive_int(key, getattr(self, key))
+        if self.cross_position not in CROSS_POSITIONS:
+            raise ValueError(
+                f"model.cross_position={self.cross_position!r} is not one of "
+                f"{', '.join(CROSS_POSITIONS)}"
+            )
+        if self.cross_position == "rope" and (self.n_embd // self.attention.n_head) % 2:
+            raise ValueError(
+                f"model.cross_position=rope needs an even head dimension, but model.n_embd="
+                f"{self.n_embd} / model.attention.n_head={self.attention.n_head} is odd"
+            )
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"model.label_smoothing must be in [0, 1), got {self.label_smoothing}")
 
@@ -80,7 +95,7 @@ class EncoderDecoder(nn.Module):
         self.encoder = nn.ModuleList(Block(c, causal=False) for _ in range(c.n_encoder_layer))
         self.ln_enc = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.decoder = nn.ModuleList(
-            Block(c, causal=True, cross=True) for _ in range(c.n_decoder_layer)
+            Block(c, causal=True, cross_position=c.cross_position) for _ in range(c.n_decoder_layer)
         )
         self.ln_dec = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)

@@ -63,6 +63,8 @@ CASES = {
     "mqa_alibi": {"position": "alibi", "n_kv_head": 1},
     "window_learned": {"position": "learned", "window": 3},
     "window_rope_gqa": {"position": "rope", "window": 2, "n_kv_head": 2},
+    "cross_rope": {"position": "rope", "cross_position": "rope"},
+    "cross_rope_learned_gqa": {"position": "learned", "cross_position": "rope", "n_kv_head": 2},
 }
 # Row 0 is padded: record_attention keeps the first sample only.
 LENGTHS = [5, 9, 3]
@@ -430,3 +432,30 @@ def test_sequences_longer_than_the_limits_raise(position):
     kwargs = {"bos_id": BOS, "eos_id": -1, "max_new_tokens": 50}  # no EOS: run to the limit
     assert len(decode_greedy_or_sample(model, source, None, greedy=True, **kwargs)[0]) == 5
     assert len(beam_search(model, source, None, beam_size=2, **kwargs)[0]) == 5
+
+
+def test_config_cross_position_choices():
+    with pytest.raises(ValueError, match="model.cross_position='alibi' is not one of none, rope"):
+        EncDecConfig(vocab_size=VOCAB, cross_position="alibi")
+    with pytest.raises(ValueError, match="model.cross_position=rope needs an even head dim"):
+        EncDecConfig(vocab_size=VOCAB, n_embd=12, cross_position="rope")
+
+
+@torch.no_grad()
+def test_cross_rope_scores_depend_on_target_source_offset_only():
+    """Shifting target and source positions together leaves cross-attention scores unchanged;
+    with cross_position=none the scores do not depend on positions at all."""
+    model = sharpened(tiny_model("none", cross_position="rope"))
+    cross = model.decoder[0].cross_attn
+    x, memory = torch.randn(1, 1, 32), torch.randn(1, 6, 32)
+    at_0 = cross.scores(x, memory, query_offset=0)[0, :, 0]  # (H, S): query at target position 0
+    at_2 = cross.scores(x, memory, query_offset=2)[0, :, 0]
+    assert not torch.allclose(at_0, at_2, atol=1e-3)
+    # A query at position 2 sees source position j as the query at 0 saw j - 2.
+    shifted_memory = torch.cat((torch.randn(1, 2, 32), memory[:, :4]), dim=1)
+    at_2_shifted = cross.scores(x, shifted_memory, query_offset=2)[0, :, 0]
+    torch.testing.assert_close(at_2_shifted[:, 2:], at_0[:, :4], atol=1e-5, rtol=1e-5)
+    plain = sharpened(tiny_model("none")).decoder[0].cross_attn
+    torch.testing.assert_close(
+        plain.scores(x, memory, query_offset=0), plain.scores(x, memory, query_offset=5)
+    )
