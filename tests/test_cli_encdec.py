@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from test_cli import run_script
 from wandb_offline import history
 
@@ -31,9 +32,7 @@ TINY_ENCDEC = [
 def encdec_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run_encdec")
     cache_dir = tmp_path_factory.mktemp("encdec_cache")
-    result = run_script(
-        "train.py", *TINY_ENCDEC, f"hydra.run.dir={run_dir}", cache_dir=cache_dir
-    )
+    result = run_script("train.py", *TINY_ENCDEC, f"hydra.run.dir={run_dir}", cache_dir=cache_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir / "stdout.txt").write_text(result.stdout)
     return run_dir
@@ -100,7 +99,10 @@ def test_generate_encdec_flags_on_gpt_checkpoint_and_vice_versa(tmp_path):
 
 def test_model_and_data_kinds_must_match(tmp_path):
     result = run_script(
-        "train.py", "model=gpt", "data=shakespeare_denoise", f"hydra.run.dir={tmp_path}",
+        "train.py",
+        "model=gpt",
+        "data=shakespeare_denoise",
+        f"hydra.run.dir={tmp_path}",
         cache_dir=tmp_path / "cache",
     )
     assert result.returncode == 1
