@@ -1,6 +1,6 @@
 """Cache entries: directories of prepared data, named by a hash of what they were built from and
 written once, atomically, so concurrent builders (one per node under DDP) and crashed builds are
-harmless."""
+harmless; and the data-module base that builds, loads and batches them."""
 
 import hashlib
 import json
@@ -9,6 +9,12 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data.tokenizer import CharTokenizer, load_tokenizer
 
 # A complete entry holds this file; it is the last one a build writes.
 MARKER = "meta.json"
@@ -42,3 +48,69 @@ def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return False
+
+
+class CachedDataModule(L.LightningDataModule):
+    """What both data modules share: prepare_data() builds a cache entry once, setup() loads
+    the tokenizer and splits from it, and the loaders batch the splits' datasets.
+
+    Subclasses set `config` (with batch_size and num_workers) and implement `cache_entry`,
+    `_build(out_dir)` and `_load(entry)`, which returns the splits by name.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache_hit = False
+        self._tokenizer: CharTokenizer | None = None
+        self._splits: dict = {}
+
+    @property
+    def cache_entry(self) -> Path:
+        raise NotImplementedError
+
+    def _build(self, out: Path) -> None:
+        raise NotImplementedError
+
+    def _load(self, entry: Path) -> dict:
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        self.cache_hit = build_once(self.cache_entry, self._build)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._tokenizer is not None:
+            return
+        entry = self.cache_entry
+        if not (entry / MARKER).exists():
+            raise FileNotFoundError(f"no prepared data in {entry}; call prepare_data() first")
+        self._splits = self._load(entry)
+        self._tokenizer = load_tokenizer(entry / "tokenizer.json")
+
+    def _split(self, name: str):
+        if self._tokenizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not set up; call prepare_data() and setup() first"
+            )
+        return self._splits[name]
+
+    @property
+    def tokenizer(self) -> CharTokenizer:
+        self._split("train")
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def _loader(self, dataset: Dataset, train: bool, collate_fn=None) -> DataLoader:
+        workers = self.config.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.config.batch_size,
+            shuffle=train,
+            drop_last=train,  # a short last batch would be an oddly weighted training step
+            collate_fn=collate_fn,
+            num_workers=workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=workers > 0,
+        )

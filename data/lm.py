@@ -5,14 +5,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.cache import build_once, entry_path
+from data.cache import CachedDataModule, entry_path
 from data.sources import load_shakespeare, train_val_split
-from data.tokenizer import CharTokenizer, load_tokenizer
+from data.tokenizer import CharTokenizer
 
 # Bump whenever the cache entry's contents change meaning (normalisation, split, file layout).
 FORMAT_VERSION = 1
@@ -67,7 +66,7 @@ class TokenBlocks(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class LMDataModule(L.LightningDataModule):
+class LMDataModule(CachedDataModule):
     def __init__(
         self,
         source: str = "shakespeare",
@@ -83,9 +82,6 @@ class LMDataModule(L.LightningDataModule):
             source, tokenizer, block_size, batch_size, val_fraction, cache_dir, num_workers
         )
         self.save_hyperparameters()
-        self.cache_hit = False
-        self._tokenizer: CharTokenizer | None = None
-        self._splits: dict[str, np.ndarray] = {}
 
     @property
     def cache_entry(self) -> Path:
@@ -94,9 +90,6 @@ class LMDataModule(L.LightningDataModule):
         return entry_path(
             c.cache_dir, "lm", [c.source, c.tokenizer, c.val_fraction, FORMAT_VERSION]
         )
-
-    def prepare_data(self) -> None:
-        self.cache_hit = build_once(self.cache_entry, self._build)
 
     def _build(self, out: Path) -> None:
         c = self.config
@@ -125,14 +118,9 @@ class LMDataModule(L.LightningDataModule):
         }
         (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
-    def setup(self, stage: str | None = None) -> None:
-        if self._tokenizer is not None:
-            return
-        entry = self.cache_entry
-        if not (entry / "meta.json").exists():
-            raise FileNotFoundError(f"no prepared data in {entry}; call prepare_data() first")
+    def _load(self, entry: Path) -> dict[str, np.ndarray]:
         meta = json.loads((entry / "meta.json").read_text())
-        block = self.config.block_size
+        block, splits = self.config.block_size, {}
         for split in ("train", "val"):
             tokens = np.memmap(entry / f"{split}.bin", dtype=meta["dtype"], mode="r")
             if len(tokens) < block + 1:
@@ -140,37 +128,8 @@ class LMDataModule(L.LightningDataModule):
                     f"data.block_size={block} needs at least {block + 1} tokens but the {split} "
                     f"split has {len(tokens)}; lower data.block_size"
                 )
-            self._splits[split] = tokens
-        self._tokenizer = load_tokenizer(entry / "tokenizer.json")
-
-    def _require_setup(self) -> None:
-        if self._tokenizer is None:
-            raise RuntimeError("LMDataModule is not set up; call prepare_data() and setup() first")
-
-    def _split(self, name: str) -> np.ndarray:
-        self._require_setup()
-        return self._splits[name]
-
-    @property
-    def tokenizer(self) -> CharTokenizer:
-        self._require_setup()
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
-    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        workers = self.config.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.config.batch_size,
-            shuffle=train,
-            drop_last=train,  # a short last batch would be an oddly weighted training step
-            num_workers=workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=workers > 0,
-        )
+            splits[split] = tokens
+        return splits
 
     def train_dataloader(self) -> DataLoader:
         # Every offset starts a training block; overlapping blocks are distinct examples.

@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.cache import build_once, entry_path
+from data.cache import CachedDataModule, entry_path
 from data.metrics import character_error_rate
 from data.pairs import (
     MASK,
@@ -29,7 +28,7 @@ from data.pairs import (
     split_rows,
 )
 from data.sources import load_shakespeare, train_val_split
-from data.tokenizer import CharTokenizer, load_tokenizer
+from data.tokenizer import CharTokenizer
 
 # Bump whenever the cache entry's contents change meaning (passages, corruption, file layout).
 FORMAT_VERSION = 1
@@ -241,7 +240,7 @@ def pairs_task(c: Seq2SeqDataConfig) -> tuple[dict[str, Split], Facts]:
 TASK_BUILDERS = {"denoise": denoise_task, "next_line": next_line_task, "pairs": pairs_task}
 
 
-class Seq2SeqDataModule(L.LightningDataModule):
+class Seq2SeqDataModule(CachedDataModule):
     """(source, target) pairs for the encoder-decoder; Seq2SeqDataConfig documents the options."""
 
     def __init__(
@@ -267,9 +266,6 @@ class Seq2SeqDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.config = Seq2SeqDataConfig(**self.hparams)
-        self.cache_hit = False
-        self._tokenizer: CharTokenizer | None = None
-        self._splits: dict[str, Split] = {}
 
     def _cache_key(self) -> dict:
         """Everything that changes the prepared pairs; batching and val_subset don't."""
@@ -292,9 +288,6 @@ class Seq2SeqDataModule(L.LightningDataModule):
     def cache_entry(self) -> Path:
         return entry_path(self.config.cache_dir, "seq2seq", self._cache_key())
 
-    def prepare_data(self) -> None:
-        self.cache_hit = build_once(self.cache_entry, self._build)
-
     def _build(self, out: Path) -> None:
         texts, facts = TASK_BUILDERS[self.config.task](self.config)
         tokenizer, splits, val_chars_dropped = tokenize(texts)
@@ -310,44 +303,24 @@ class Seq2SeqDataModule(L.LightningDataModule):
         tokenizer.save(out / "tokenizer.json")
         (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
-    def setup(self, stage: str | None = None) -> None:
-        if self._tokenizer is not None:
-            return
-        entry = self.cache_entry
-        if not (entry / "meta.json").exists():
-            raise FileNotFoundError(f"no prepared data in {entry}; call prepare_data() first")
-        for split in ("train", "val"):
-            self._splits[split] = tuple(
+    def _load(self, entry: Path) -> dict[str, Split]:
+        splits = {
+            split: tuple(
                 Ragged(
                     np.load(entry / f"{split}_{side}_ids.npy", mmap_mode="r"),
                     np.load(entry / f"{split}_{side}_offsets.npy"),
                 )
                 for side in ("source", "target")
             )
-        n_train, batch = len(self._splits["train"][0]), self.config.batch_size
+            for split in ("train", "val")
+        }
+        n_train, batch = len(splits["train"][0]), self.config.batch_size
         if n_train < batch:
             raise ValueError(
                 f"data.batch_size={batch} is more than the {n_train} training pairs; "
                 "lower data.batch_size"
             )
-        self._tokenizer = load_tokenizer(entry / "tokenizer.json")
-
-    def _require_setup(self) -> None:
-        if self._tokenizer is None:
-            raise RuntimeError("Seq2SeqDataModule is not set up; call prepare_data() and setup()")
-
-    def _split(self, name: str) -> Split:
-        self._require_setup()
-        return self._splits[name]
-
-    @property
-    def tokenizer(self) -> CharTokenizer:
-        self._require_setup()
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+        return splits
 
     @property
     def pad_id(self) -> int:
@@ -361,25 +334,15 @@ class Seq2SeqDataModule(L.LightningDataModule):
     def eos_id(self) -> int:
         return self.tokenizer.eos_id
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
-        workers = self.config.num_workers
+    def _pair_loader(self, split: str, train: bool) -> DataLoader:
         collate = partial(collate_pairs, pad_id=self.pad_id, bos_id=self.bos_id, eos_id=self.eos_id)
-        return DataLoader(
-            PairDataset(*self._split(split)),
-            batch_size=self.config.batch_size,
-            shuffle=train,
-            drop_last=train,  # a short last batch would be an oddly weighted training step
-            collate_fn=collate,
-            num_workers=workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=workers > 0,
-        )
+        return self._loader(PairDataset(*self._split(split)), train, collate)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
+        return self._pair_loader("train", train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", train=False)
+        return self._pair_loader("val", train=False)
 
     def val_pairs(self, n: int) -> list[tuple[list[int], list[int]]]:
         """The first n (or all, if fewer) validation pairs as (source ids, target ids): a fixed
