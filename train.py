@@ -20,14 +20,14 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
-from data.seq2seq import Seq2SeqDataModule, pad_sequences
+from data.seq2seq import Seq2SeqDataModule
 from generate import SamplingConfig, exit_on_user_error, load_checkpoint, stream_samples
 from model.encdec import EncoderDecoder
-from model.generation import decode_greedy_or_sample, decoding_ids
 from model.module import (
     LanguageModelModule,
     OptimConfig,
     Seq2SeqModule,
+    greedy_decodes,
     module_for,
 )
 
@@ -73,16 +73,7 @@ def print_summary(trainer: L.Trainer, cfg: DictConfig, datamodule) -> None:
     command = f"python generate.py ckpt={cfg.paths.output_dir}"
     if isinstance(model, EncoderDecoder):
         pairs = datamodule.val_texts(3)
-        sources = [source for source, _ in datamodule.val_pairs(3)]
-        source, mask = pad_sequences(sources, tokenizer.pad_id)
-        outputs = decode_greedy_or_sample(
-            model,
-            source,
-            mask,
-            **decoding_ids(tokenizer),
-            max_new_tokens=model.config.max_target_len,
-            greedy=True,
-        )
+        outputs = greedy_decodes(model, tokenizer, [s for s, _ in datamodule.val_pairs(3)])
         for (source_text, target_text), output in zip(pairs, outputs, strict=True):
             print(f"\nsource: {source_text}\noutput: {tokenizer.decode(output)}")
             print(f"target: {target_text}")

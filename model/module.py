@@ -182,22 +182,10 @@ class Seq2SeqModule(TrainingModule):
         self.log("val/exact_match", exact_match)
         self.log("val/cer", cer)
 
-    def decode_scores(self, datamodule, batch_size: int = 128) -> tuple[float, float]:
+    def decode_scores(self, datamodule) -> tuple[float, float]:
         """Exact match and character error rate of greedy decodes of the validation subset."""
         pairs = datamodule.val_pairs(datamodule.config.val_subset)
-        predictions = []
-        for start in range(0, len(pairs), batch_size):
-            chunk = pairs[start : start + batch_size]
-            source, mask = pad_sequences([s for s, _ in chunk], self.tokenizer.pad_id)
-            source, mask = source.to(self.device), mask.to(self.device)
-            predictions += decode_greedy_or_sample(
-                self.model,
-                source,
-                mask,
-                **decoding_ids(self.tokenizer),
-                max_new_tokens=self.model.config.max_target_len,
-                greedy=True,
-            )
+        predictions = greedy_decodes(self.model, self.tokenizer, [s for s, _ in pairs])
         references = [target for _, target in pairs]
         exact = sum(p == r for p, r in zip(predictions, references, strict=True)) / len(pairs)
         return exact, character_error_rate(predictions, references)
@@ -219,6 +207,25 @@ class Seq2SeqModule(TrainingModule):
             return target_labels, target_labels
 
         return (lambda: self.model(source, target)), labels_for
+
+
+def greedy_decodes(
+    model: EncoderDecoder, tokenizer, sources: list[list[int]], batch_size: int = 128
+) -> list[list[int]]:
+    """Greedy decodes (ids before EOS) of source id lists, padded and decoded in batches."""
+    device = next(model.parameters()).device
+    outputs = []
+    for start in range(0, len(sources), batch_size):
+        source, mask = pad_sequences(sources[start : start + batch_size], tokenizer.pad_id)
+        outputs += decode_greedy_or_sample(
+            model,
+            source.to(device),
+            mask.to(device),
+            **decoding_ids(tokenizer),
+            max_new_tokens=model.config.max_target_len,
+            greedy=True,
+        )
+    return outputs
 
 
 MODELS = {"gpt": (GPTConfig, GPT), "encdec": (EncDecConfig, EncoderDecoder)}
