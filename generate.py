@@ -157,9 +157,16 @@ def stream_samples(model: GPT, tokenizer, config: SamplingConfig, device: torch.
             use_cache=config.use_cache,
             **config.sampling_kwargs(generator),
         )
+        # Decode the whole continuation each step and print what is new: a character that
+        # byte-level BPE splits over several tokens appears once all of its bytes have.
+        ids, shown = [], ""
         for token in tokens:
-            print(tokenizer.decode(token.tolist()), end="", flush=True)
-        print()
+            ids += token.tolist()
+            text = tokenizer.decode(ids)
+            if not text.endswith("\ufffd"):
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+        print(tokenizer.decode(ids)[len(shown) :])
 
 
 def translate(

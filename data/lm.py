@@ -11,12 +11,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from data.cache import CachedDataModule, entry_path
 from data.sources import load_shakespeare, train_val_split
-from data.tokenizer import CharTokenizer
+from data.tokenizer import BPETokenizer, CharTokenizer
 
 # Bump whenever the cache entry's contents change meaning (normalisation, split, file layout).
 FORMAT_VERSION = 1
 SOURCES = {"shakespeare": load_shakespeare}
-TOKENIZER_BUILDERS = {"char": CharTokenizer.from_text}
+TOKENIZER_BUILDERS = {
+    "char": lambda text, config: CharTokenizer.from_text(text),
+    "bpe": lambda text, config: BPETokenizer.train(text, config.bpe_vocab_size),
+}
 
 
 def _check_int(key: str, value: object, minimum: int) -> None:
@@ -29,6 +32,7 @@ def _check_int(key: str, value: object, minimum: int) -> None:
 class LMDataConfig:
     source: str = "shakespeare"
     tokenizer: str = "char"
+    bpe_vocab_size: int = 1024  # tokenizer=bpe: the vocabulary it learns
     block_size: int = 128
     batch_size: int = 32
     val_fraction: float = 0.1
@@ -42,6 +46,7 @@ class LMDataConfig:
             known = sorted(TOKENIZER_BUILDERS)
             raise ValueError(f"data.tokenizer must be one of {known}, got {self.tokenizer!r}")
         _check_int("block_size", self.block_size, minimum=1)
+        _check_int("bpe_vocab_size", self.bpe_vocab_size, minimum=1)
         _check_int("batch_size", self.batch_size, minimum=1)
         _check_int("num_workers", self.num_workers, minimum=0)
         v = self.val_fraction
@@ -71,6 +76,7 @@ class LMDataModule(CachedDataModule):
         self,
         source: str = "shakespeare",
         tokenizer: str = "char",
+        bpe_vocab_size: int = 1024,
         block_size: int = 128,
         batch_size: int = 32,
         val_fraction: float = 0.1,
@@ -79,7 +85,14 @@ class LMDataModule(CachedDataModule):
     ):
         super().__init__()
         self.config = LMDataConfig(
-            source, tokenizer, block_size, batch_size, val_fraction, cache_dir, num_workers
+            source,
+            tokenizer,
+            bpe_vocab_size,
+            block_size,
+            batch_size,
+            val_fraction,
+            cache_dir,
+            num_workers,
         )
         self.save_hyperparameters()
 
@@ -87,17 +100,19 @@ class LMDataModule(CachedDataModule):
     def cache_entry(self) -> Path:
         """Directory holding the tokenized corpus; block and batch size don't affect it."""
         c = self.config
-        return entry_path(
-            c.cache_dir, "lm", [c.source, c.tokenizer, c.val_fraction, FORMAT_VERSION]
-        )
+        key = [c.source, c.tokenizer, c.val_fraction, FORMAT_VERSION]
+        if c.tokenizer == "bpe":
+            key.append(c.bpe_vocab_size)
+        return entry_path(c.cache_dir, "lm", key)
 
     def _build(self, out: Path) -> None:
         c = self.config
         texts = SOURCES[c.source](Path(c.cache_dir))["text"]
         train_text, val_text = train_val_split(texts, c.val_fraction)
-        tokenizer = TOKENIZER_BUILDERS[c.tokenizer](train_text)  # never fit on validation text
-        # Characters seen only in validation have no id; drop them rather than fail the build.
-        unseen = set(val_text) - set(tokenizer.chars)
+        tokenizer = TOKENIZER_BUILDERS[c.tokenizer](train_text, c)  # never fit on validation
+        # Characters seen only in validation have no char id; drop them rather than fail the
+        # build. (Byte-level BPE encodes every character.)
+        unseen = set(val_text) - set(tokenizer.chars) if c.tokenizer == "char" else set()
         kept_val = val_text.translate({ord(ch): None for ch in unseen})
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
         train = np.array(tokenizer.encode(train_text), dtype=dtype)

@@ -6,8 +6,39 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-class CharTokenizer:
+
+class SpecialTokens:
+    """Ids of the special tokens, which come first in every vocabulary (ids 0..n-1)."""
+
+    specials: list[str]
+
+    def _special(self, name: str) -> int | None:
+        return self.specials.index(name) if name in self.specials else None
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._special("<pad>")
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._special("<bos>")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._special("<eos>")
+
+    @property
+    def mask_id(self) -> int | None:
+        return self._special("<mask>")
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(range(len(self.specials)))
+
+
+class CharTokenizer(SpecialTokens):
     """One token per character; the vocabulary is the sorted set of characters it was built from.
 
     Optional special tokens (e.g. "<pad>", "<bos>", "<eos>", "<mask>") take ids 0..n-1 and the
@@ -35,29 +66,6 @@ class CharTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tokens)
-
-    def _special(self, name: str) -> int | None:
-        return self.specials.index(name) if name in self.specials else None
-
-    @property
-    def pad_id(self) -> int | None:
-        return self._special("<pad>")
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._special("<bos>")
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._special("<eos>")
-
-    @property
-    def mask_id(self) -> int | None:
-        return self._special("<mask>")
-
-    @property
-    def special_ids(self) -> set[int]:
-        return set(range(len(self.specials)))
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -94,17 +102,70 @@ class CharTokenizer:
         return tokenizer
 
 
-TOKENIZERS = {"char": CharTokenizer}
+class BPETokenizer(SpecialTokens):
+    """Byte-level BPE (Hugging Face `tokenizers`): any Unicode text encodes, with no unknown
+    token, since every byte has an id; merges learned from the training text make common
+    character runs single tokens. Specials take ids 0..n-1, as in CharTokenizer.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, specials: Sequence[str] = ()):
+        self._tokenizer = tokenizer
+        self.specials = list(specials)
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int, specials: Sequence[str] = ()) -> "BPETokenizer":
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        least = len(alphabet) + len(specials) + 1
+        if vocab_size < least:
+            raise ValueError(
+                f"data.bpe_vocab_size={vocab_size} is too small for byte-level BPE: it needs at "
+                f"least {least} (256 bytes, the special tokens and one merge)"
+            )
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(specials),
+            initial_alphabet=alphabet,
+            show_progress=False,
+        )
+        # Speeches as training units: merges never cross a speech boundary.
+        tokenizer.train_from_iterator(text.split("\n\n"), trainer=trainer)
+        return cls(tokenizer, specials)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def to_dict(self) -> dict:
+        return {"type": "bpe", "tokenizer": self._tokenizer.to_str(), "specials": self.specials}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BPETokenizer":
+        return cls(Tokenizer.from_str(d["tokenizer"]), d.get("specials", ()))
+
+    def save(self, path: str | os.PathLike) -> None:
+        _write_atomic(Path(path), json.dumps(self.to_dict()))
 
 
-def tokenizer_from_dict(d: dict) -> CharTokenizer:
+TOKENIZERS = {"char": CharTokenizer, "bpe": BPETokenizer}
+
+
+def tokenizer_from_dict(d: dict) -> CharTokenizer | BPETokenizer:
     kind = d.get("type")
     if kind not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer type {kind!r}; known types: {sorted(TOKENIZERS)}")
     return TOKENIZERS[kind].from_dict(d)
 
 
-def load_tokenizer(path: str | os.PathLike) -> CharTokenizer:
+def load_tokenizer(path: str | os.PathLike) -> CharTokenizer | BPETokenizer:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer file at {path}; check the path")

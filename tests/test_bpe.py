@@ -1,0 +1,88 @@
+"""Byte-level BPE: trained on the training split, any Unicode round-trips, carried as JSON."""
+
+import pytest
+
+from data.lm import LMDataConfig, LMDataModule
+from data.tokenizer import BPETokenizer, load_tokenizer, tokenizer_from_dict
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+TEXTS = [
+    "ROMEO:\nBut, soft! what light through yonder window breaks?",
+    "naïve café, Æsop's œuvre — «quoted» ‘curly’",
+    "日本語のテキスト and 한국어 and Ελληνικά",
+    "emoji 🙂🎭 and a combining e\u0301 and a zero-width\u200bjoiner",
+    "  leading, trailing and\t\ttabs \n\n\n newlines  ",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPETokenizer:
+    text = "\n\n".join(["ROMEO:\nWhat light through yonder window breaks?"] * 50 + TEXTS[:3])
+    return BPETokenizer.train(text, vocab_size=300, specials=SPECIALS)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_bpe_round_trips_any_unicode(bpe, text):
+    ids = bpe.encode(text)
+    assert all(i not in bpe.special_ids for i in ids)
+    assert bpe.decode(ids) == text
+
+
+def test_bpe_round_trips_text_it_never_saw(bpe):
+    unseen = "Zebras quiz: ¿Qué tal? ∑ ∫ 𝔉𝔯𝔞𝔨𝔱𝔲𝔯 \x00 \x7f"
+    assert bpe.decode(bpe.encode(unseen)) == unseen
+
+
+def test_bpe_merges_frequent_text_into_fewer_tokens(bpe):
+    frequent = "What light through yonder window breaks?"
+    assert len(bpe.encode(frequent)) < len(frequent.encode("utf-8")) / 3
+
+
+def test_bpe_specials_come_first_and_render_by_name(bpe):
+    assert (bpe.pad_id, bpe.bos_id, bpe.eos_id, bpe.mask_id) == (0, 1, 2, None)
+    assert bpe.vocab_size == 300
+    ids = [bpe.bos_id, *bpe.encode("light"), bpe.eos_id]
+    assert bpe.decode(ids) == "light"
+    assert bpe.decode(ids, skip_special=False) == "<bos>light<eos>"
+
+
+def test_bpe_save_load_and_dict_round_trip(bpe, tmp_path):
+    bpe.save(tmp_path / "tokenizer.json")
+    for loaded in (load_tokenizer(tmp_path / "tokenizer.json"), tokenizer_from_dict(bpe.to_dict())):
+        assert isinstance(loaded, BPETokenizer)
+        assert loaded.specials == list(SPECIALS)
+        for text in TEXTS:
+            assert loaded.encode(text) == bpe.encode(text)
+
+
+def test_bpe_vocab_too_small_names_the_key():
+    with pytest.raises(ValueError, match="data.bpe_vocab_size=100 is too small for byte-level BPE"):
+        BPETokenizer.train("some text", vocab_size=100)
+
+
+def test_bpe_config_validation():
+    with pytest.raises(ValueError, match="data.bpe_vocab_size must be a positive integer"):
+        LMDataConfig(tokenizer="bpe", bpe_vocab_size=0)
+    with pytest.raises(ValueError, match=r"data.tokenizer must be one of \['bpe', 'char'\]"):
+        LMDataConfig(tokenizer="wordpiece")
+
+
+def test_shakespeare_bpe_data_module(tmp_path):
+    """Trained on train text only, cached per vocabulary size, and the token arrays decode back
+    to the corpus."""
+    dm = LMDataModule(tokenizer="bpe", bpe_vocab_size=400, block_size=16, cache_dir=tmp_path)
+    dm.prepare_data()
+    dm.setup()
+    assert not dm.cache_hit and dm.vocab_size == 400
+    text = dm.tokenizer.decode(dm._split("val")[:2000].tolist())
+    assert text.startswith(dm.tokenizer.decode(dm.val_sample(50).tolist()))
+    assert "\n\n" in text and text.isascii()
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (32, 16) and (x[:, 1:] == y[:, :-1]).all() and int(x.max()) < 400
+
+    again = LMDataModule(tokenizer="bpe", bpe_vocab_size=400, block_size=16, cache_dir=tmp_path)
+    again.prepare_data()
+    assert again.cache_hit
+    bigger = LMDataModule(tokenizer="bpe", bpe_vocab_size=500, block_size=16, cache_dir=tmp_path)
+    assert bigger.cache_entry != dm.cache_entry
