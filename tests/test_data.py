@@ -239,7 +239,10 @@ def test_unigram_loss_is_a_sane_baseline(dm):
         ({"num_workers": -1}, "data.num_workers must be a non-negative integer, got -1"),
         ({"val_fraction": 1.0}, "data.val_fraction must be a number between 0 and 1, got 1.0"),
         ({"source": "wiki"}, "data.source must be one of ['shakespeare'], got 'wiki'"),
-        ({"tokenizer": "bpe"}, "data.tokenizer must be one of ['char'], got 'bpe'"),
+        (
+            {"tokenizer": "wordpiece"},
+            "data.tokenizer must be one of ['bpe', 'char'], got 'wordpiece'",
+        ),
         ({"cache_dir": ""}, "data.cache_dir must be a directory path, got ''"),
     ],
 )
