@@ -169,9 +169,9 @@ class Seq2SeqModule(TrainingModule):
         self._correct = self._counted = 0
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss, logits, tokens = self.loss(batch)
-        self.val_loss.update(loss, weight=tokens)
+        loss, logits, _ = self.loss(batch)
         scored = batch["target_out"] != -100
+        self.val_loss.update(loss, weight=int(scored.sum()))  # the loss is a mean over these
         self._correct += int((logits.argmax(-1) == batch["target_out"])[scored].sum())
         self._counted += int(scored.sum())
 
