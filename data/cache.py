@@ -1,13 +1,16 @@
 """Cache entries: directories of prepared data, named by a hash of what they were built from and
-written once, atomically, so concurrent builders (one per node under DDP) and crashed builds are
-harmless; and the data-module base that builds, loads and batches them."""
+written once, atomically, by one process while any others preparing the same entry (DDP ranks,
+multirun jobs) wait and then reuse it; and the data-module base that builds, loads and batches
+them."""
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -27,26 +30,41 @@ def entry_path(cache_dir: str | os.PathLike, kind: str, key: object) -> Path:
     return Path(cache_dir) / kind / digest
 
 
+@contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_file` (the OS drops it if this process dies)."""
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
     """Make sure `entry` exists, calling `build(tmp_dir)` to fill it if needed; `build` must
-    write MARKER. Returns True when the entry was already there (a cache hit)."""
+    write MARKER. Returns True when the entry was already there (a cache hit), including when
+    another process built it while this one waited for the lock."""
     if (entry / MARKER).exists():
         return True
     entry.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a private directory and rename it into place: a crash leaves only an orphan
-    # temp directory, and no reader ever sees half an entry.
-    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        build(tmp)
+    with _exclusive(entry.parent / f".{entry.name}.lock"):
+        if (entry / MARKER).exists():
+            return True
+        # Build in a private directory and rename it into place: a crash leaves only an orphan
+        # temp directory, and no reader ever sees half an entry. The rename also keeps entries
+        # whole on file systems where the lock does not hold across machines.
+        tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex}"
+        tmp.mkdir()
         try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not (entry / MARKER).exists():
-                raise
-            # Another process finished the same build first; its entry is as good as ours.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                os.rename(tmp, entry)
+            except OSError:
+                if not (entry / MARKER).exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return False
 
 

@@ -1,25 +1,38 @@
-"""Next-token language-modelling data: a corpus split into train/val, tokenized once into a
-cache of flat token arrays, and served as (x, y) blocks with y one token ahead of x."""
+"""Next-token language-modelling data: a corpus (the embedded Shakespeare, local text files or a
+Hub dataset) split into train/val, tokenized once into a cache of flat token arrays, and served
+as (x, y) blocks with y one token ahead of x."""
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from data.cache import CachedDataModule, entry_path
-from data.sources import load_shakespeare, train_val_split
-from data.tokenizer import BPETokenizer, CharTokenizer
+from data.sources import (
+    TEXT_BUILDERS,
+    expand_paths,
+    file_fingerprint,
+    is_val_document,
+    load_hub_text,
+    load_shakespeare,
+    load_text_files,
+    split_tail,
+)
+from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
 # Bump whenever the cache entry's contents change meaning (normalisation, split, file layout).
-FORMAT_VERSION = 1
-SOURCES = {"shakespeare": load_shakespeare}
-TOKENIZER_BUILDERS = {
-    "char": lambda text, config: CharTokenizer.from_text(text),
-    "bpe": lambda text, config: BPETokenizer.train(text, config.bpe_vocab_size),
-}
+FORMAT_VERSION = 2
+SOURCES = ("shakespeare", "text_files", "hub")
+TOKENIZERS = ("char", "bpe")
+BPE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+DOCUMENT_SEPARATOR = "\n\n"  # between documents in the token stream, as between paragraphs
+BATCH_ROWS = 1000  # documents per `datasets.map` batch
 
 
 def _check_int(key: str, value: object, minimum: int) -> None:
@@ -30,30 +43,113 @@ def _check_int(key: str, value: object, minimum: int) -> None:
 
 @dataclass
 class LMDataConfig:
-    source: str = "shakespeare"
+    source: str = "shakespeare"  # shakespeare | text_files | hub
+    paths: list[str] = field(default_factory=list)  # text_files: files, globs or folders
+    text_column: str = "text"  # .jsonl files and Hub datasets: the column holding the text
+    name: str | None = None  # hub: the dataset's name
+    config: str | None = None  # hub: its configuration, if it has several
+    streaming: bool = False  # read the source as a stream: corpora larger than memory
     tokenizer: str = "char"
     bpe_vocab_size: int = 1024  # tokenizer=bpe: the vocabulary it learns
+    tokenizer_file: str | None = None  # reuse this saved tokenizer instead of training one
     block_size: int = 128
     batch_size: int = 32
     val_fraction: float = 0.1
     cache_dir: str = ".cache/tinyformer"
     num_workers: int = 0
+    num_proc: int = 1  # processes tokenizing the corpus (`datasets.map`), when not streaming
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
-            raise ValueError(f"data.source must be one of {sorted(SOURCES)}, got {self.source!r}")
-        if self.tokenizer not in TOKENIZER_BUILDERS:
-            known = sorted(TOKENIZER_BUILDERS)
+            raise ValueError(f"data.source must be one of {list(SOURCES)}, got {self.source!r}")
+        if self.tokenizer not in TOKENIZERS:
+            known = list(TOKENIZERS)
             raise ValueError(f"data.tokenizer must be one of {known}, got {self.tokenizer!r}")
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("bpe_vocab_size", self.bpe_vocab_size, minimum=1)
         _check_int("batch_size", self.batch_size, minimum=1)
         _check_int("num_workers", self.num_workers, minimum=0)
+        _check_int("num_proc", self.num_proc, minimum=1)
         v = self.val_fraction
         if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1:
             raise ValueError(f"data.val_fraction must be a number between 0 and 1, got {v!r}")
         if not self.cache_dir:
             raise ValueError(f"data.cache_dir must be a directory path, got {self.cache_dir!r}")
+        if not isinstance(self.streaming, bool):
+            raise ValueError(f"data.streaming must be true or false, got {self.streaming!r}")
+        if not (isinstance(self.text_column, str) and self.text_column):
+            raise ValueError(f"data.text_column must be a column name, got {self.text_column!r}")
+        # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
+        self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
+        wants = {"text_files": ("paths", "data=text_files 'data.paths=[corpus/*.txt]'")}
+        wants["hub"] = ("name", "data=hub data.name=NAME")
+        for source, (key, example) in wants.items():
+            given = bool(getattr(self, key))
+            if given != (self.source == source):
+                needs = f"source={source} needs data.{key}" if not given else ""
+                only = f"data.{key} is only read by source={source}" if given else ""
+                raise ValueError(
+                    f"{needs or only}, got source={self.source} and {key}={getattr(self, key)!r}; "
+                    f"e.g. {example}"
+                )
+        if self.config is not None and self.source != "hub":
+            raise ValueError(f"data.config is only read by source=hub, got {self.config!r}")
+        if self.tokenizer_file is not None and not Path(self.tokenizer_file).is_file():
+            raise FileNotFoundError(
+                f"data.tokenizer_file: no tokenizer at {self.tokenizer_file}; point it at the "
+                "tokenizer.json of an earlier run (its run directory holds one)"
+            )
+
+
+# --- Building the cache entry --------------------------------------------------------------------
+
+
+def _split_rows(batch: dict, indices: list[int], val_fraction: float, by_tail: bool) -> dict:
+    """Each document's train and val parts: its tail (`by_tail`), or all of it for one document
+    in every 1/val_fraction."""
+    if by_tail:
+        parts = [split_tail(text, val_fraction) for text in batch["text"]]
+    else:
+        texts = (text.strip("\n") for text in batch["text"])  # separators come between them
+        parts = [
+            ("", text) if is_val_document(i, val_fraction) else (text, "")
+            for text, i in zip(texts, indices, strict=True)
+        ]
+    return {"train": [t for t, _ in parts], "val": [v for _, v in parts]}
+
+
+def _encode_rows(batch: dict, tokenizer: CharTokenizer | BPETokenizer) -> dict:
+    """Token ids of each document's train and val parts. Characters the char tokenizer never saw
+    in training have no id: they are dropped from val, and counted."""
+    out = {"train_ids": tokenizer.encode_batch(batch["train"])}
+    val = batch["val"]
+    if isinstance(tokenizer, CharTokenizer):
+        kept = [tokenizer.known(text) for text in val]
+        out["val_dropped"] = [len(a) - len(b) for a, b in zip(val, kept, strict=True)]
+        val = kept
+    else:
+        out["val_dropped"] = [0] * len(val)
+    out["val_ids"] = tokenizer.encode_batch(val)
+    return out
+
+
+def _texts(corpus, column: str):
+    """The non-empty strings of `column`, streamed batch by batch."""
+    for batch in corpus.iter(batch_size=BATCH_ROWS):
+        yield from (text for text in batch[column] if text)
+
+
+def _write_stream(path: Path, rows, separator: list[int], dtype) -> int:
+    """Append each non-empty row of ids to `path`, separated by `separator`; the token count."""
+    count = 0
+    with open(path, "wb") as f:
+        for ids in rows:
+            if not ids:
+                continue
+            chunk = np.asarray((separator if count else []) + ids, dtype=dtype)
+            f.write(chunk.tobytes())
+            count += len(chunk)
+    return count
 
 
 class TokenBlocks(Dataset):
@@ -72,64 +168,121 @@ class TokenBlocks(Dataset):
 
 
 class LMDataModule(CachedDataModule):
-    def __init__(
-        self,
-        source: str = "shakespeare",
-        tokenizer: str = "char",
-        bpe_vocab_size: int = 1024,
-        block_size: int = 128,
-        batch_size: int = 32,
-        val_fraction: float = 0.1,
-        cache_dir: str = ".cache/tinyformer",
-        num_workers: int = 0,
-    ):
-        super().__init__()
-        self.config = LMDataConfig(
-            source,
-            tokenizer,
-            bpe_vocab_size,
-            block_size,
-            batch_size,
-            val_fraction,
-            cache_dir,
-            num_workers,
-        )
-        self.save_hyperparameters()
+    """Token blocks for the GPT; LMDataConfig documents the options."""
 
-    @property
-    def cache_entry(self) -> Path:
-        """Directory holding the tokenized corpus; block and batch size don't affect it."""
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = LMDataConfig(**options)
+        self._given_tokenizer = None
+        if self.config.tokenizer_file is not None:
+            self.use_tokenizer(load_tokenizer(self.config.tokenizer_file))
+
+    def use_tokenizer(self, tokenizer: CharTokenizer | BPETokenizer) -> None:
+        """Encode the corpus with `tokenizer` (a resumed run's, or data.tokenizer_file's) rather
+        than training one, so token ids keep their meaning."""
+        self._given_tokenizer = tokenizer
+        self.__dict__.pop("cache_entry", None)
+
+    def _source_key(self) -> object:
         c = self.config
-        key = [c.source, c.tokenizer, c.val_fraction, FORMAT_VERSION]
-        if c.tokenizer == "bpe":
-            key.append(c.bpe_vocab_size)
+        if c.source == "text_files":
+            files = expand_paths(c.paths, list(TEXT_BUILDERS))
+            return {"files": file_fingerprint(files), "text_column": c.text_column}
+        if c.source == "hub":
+            return {"hub": [c.name, c.config], "text_column": c.text_column}
+        return c.source
+
+    def _tokenizer_key(self) -> object:
+        c = self.config
+        if self._given_tokenizer is not None:
+            saved = json.dumps(self._given_tokenizer.to_dict(), sort_keys=True)
+            return {"given": hashlib.sha256(saved.encode()).hexdigest()}
+        return [c.tokenizer, c.bpe_vocab_size] if c.tokenizer == "bpe" else c.tokenizer
+
+    @cached_property
+    def cache_entry(self) -> Path:
+        """Directory holding the tokenized corpus, keyed by (source, split, tokenizer): block and
+        batch size, streaming and num_proc don't change it. Fixed at first use, so files edited
+        between prepare_data and setup cannot point them at different entries."""
+        c = self.config
+        key = {"version": FORMAT_VERSION, "source": self._source_key()}
+        key |= {"val_fraction": c.val_fraction, "tokenizer": self._tokenizer_key()}
         return entry_path(c.cache_dir, "lm", key)
+
+    def _corpus(self) -> datasets.Dataset | datasets.IterableDataset:
+        """The source as one row per document, with its "train" and "val" parts."""
+        c, cache_dir = self.config, Path(self.config.cache_dir)
+        if c.source == "shakespeare":
+            docs = load_shakespeare(cache_dir).select_columns(["text"])
+            if c.streaming:
+                docs = docs.to_iterable_dataset()
+        elif c.source == "text_files":
+            files = expand_paths(c.paths, list(TEXT_BUILDERS))
+            docs = load_text_files(files, c.text_column, cache_dir, c.streaming)
+        else:
+            docs = load_hub_text(c.name, c.config, c.text_column, cache_dir, c.streaming)
+        # A play's tail keeps val in the same style as train; a corpus of many documents gives
+        # whole documents to val, which a stream can decide one document at a time.
+        split = partial(_split_rows, val_fraction=c.val_fraction, by_tail=c.source == "shakespeare")
+        return self._map(docs, split, "split", with_indices=True, remove_columns=["text"])
+
+    def _map(self, ds, function, step: str, **kwargs):
+        """`ds.map(function, batched=True)`, over num_proc processes when ds is in memory or on
+        disk. Its `datasets` cache is named after this entry, so a rerun of a build that died
+        halfway picks up the finished steps."""
+        if isinstance(ds, datasets.Dataset):
+            kwargs["num_proc"] = self.config.num_proc if len(ds) > 1 else None
+            kwargs["new_fingerprint"] = f"{self.cache_entry.name}-{step}"
+        return ds.map(function, batched=True, batch_size=BATCH_ROWS, **kwargs)
+
+    def _train_tokenizer(self, corpus) -> CharTokenizer | BPETokenizer:
+        """A tokenizer fit on the training parts only, read as a stream."""
+        c = self.config
+        if c.tokenizer == "bpe":
+            paragraphs = (p for text in _texts(corpus, "train") for p in text.split("\n\n"))
+            return BPETokenizer.train(paragraphs, c.bpe_vocab_size, BPE_SPECIALS)
+        chars = set(DOCUMENT_SEPARATOR)
+        for text in _texts(corpus, "train"):
+            chars.update(text)
+        return CharTokenizer(sorted(chars))
 
     def _build(self, out: Path) -> None:
         c = self.config
-        texts = SOURCES[c.source](Path(c.cache_dir))["text"]
-        train_text, val_text = train_val_split(texts, c.val_fraction)
-        tokenizer = TOKENIZER_BUILDERS[c.tokenizer](train_text, c)  # never fit on validation
-        # Characters seen only in validation have no char id; drop them rather than fail the
-        # build. (Byte-level BPE encodes every character.)
-        unseen = set(val_text) - set(tokenizer.chars) if c.tokenizer == "char" else set()
-        kept_val = val_text.translate({ord(ch): None for ch in unseen})
+        corpus = self._corpus()
+        tokenizer = self._given_tokenizer or self._train_tokenizer(corpus)
+        encode = partial(_encode_rows, tokenizer=tokenizer)
+        encoded = self._map(corpus, encode, "encode", remove_columns=["train", "val"])
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-        train = np.array(tokenizer.encode(train_text), dtype=dtype)
-        val = np.array(tokenizer.encode(kept_val), dtype=dtype)
-        train.tofile(out / "train.bin")
-        val.tofile(out / "val.bin")
+        separator = tokenizer.encode(DOCUMENT_SEPARATOR)
+        counts, dropped = {}, []
+        for split in ("train", "val"):
+
+            def rows(split=split):
+                for batch in encoded.iter(batch_size=BATCH_ROWS):
+                    if split == "val":
+                        dropped.extend(batch["val_dropped"])
+                    yield from batch[f"{split}_ids"]
+
+            counts[split] = _write_stream(out / f"{split}.bin", rows(), separator, dtype)
+            if counts[split] == 0:
+                raise ValueError(
+                    f"the {split} split of data.source={c.source} is empty: too few documents "
+                    f"for data.val_fraction={c.val_fraction}; add text or change val_fraction"
+                )
+        val = np.fromfile(out / "val.bin", dtype=dtype)
         tokenizer.save(out / "tokenizer.json")
         meta = {
+            "key": json.loads(json.dumps(self._source_key())),
             "format_version": FORMAT_VERSION,
-            "source": c.source,
-            "tokenizer": c.tokenizer,
+            "tokenizer": c.tokenizer if self._given_tokenizer is None else "given",
             "val_fraction": c.val_fraction,
             "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size,
-            "train_tokens": len(train),
-            "val_tokens": len(val),
-            "val_chars_dropped": len(val_text) - len(kept_val),
+            "train_tokens": counts["train"],
+            "val_tokens": counts["val"],
+            "val_chars": int(np.asarray(tokenizer.token_char_counts())[val].sum()),
+            "val_chars_dropped": sum(dropped),
         }
         (out / "meta.json").write_text(json.dumps(meta, indent=2))
 

@@ -4,14 +4,14 @@ corruption for denoising, and pairs read from local files or the Hub through `da
 Texts travel as Ragged arrays of Unicode code points until the tokenizer exists; MASK stands
 for a <mask> token among them."""
 
-import glob
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import numpy as np
+
+from data.sources import expand_paths, load_hub
 
 MIN_PASSAGE = 16  # shorter passages hold too little context to restore
 MASK = -1  # stands for <mask> in arrays of code points, before the tokenizer exists
@@ -140,23 +140,6 @@ def corrupt_spans(
 # --- Pairs from local files or the Hub ---------------------------------------------------------
 
 
-def expand_paths(patterns: Sequence[str]) -> list[Path]:
-    """The files named by `patterns` (paths or globs, each glob's matches sorted), in order."""
-    files = []
-    for pattern in map(os.path.expanduser, patterns):
-        if any(ch in pattern for ch in "*?["):
-            matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
-            matches = [m for m in matches if m.is_file()]
-            if not matches:
-                raise FileNotFoundError(f"data.paths: no file matches {pattern!r}; check the glob")
-            files += matches
-        elif Path(pattern).is_file():
-            files.append(Path(pattern))
-        else:
-            raise FileNotFoundError(f"data.paths: no file at {pattern}; check the path")
-    return [f.resolve() for f in files]
-
-
 def file_format(files: Sequence[Path]) -> str:
     """The `datasets` builder that reads the files: "json", "csv" or "parquet"."""
     formats = set()
@@ -176,15 +159,10 @@ def load_pair_texts(c) -> tuple[list[str], list[str]]:
     hf_cache = str(Path(c.cache_dir) / "hf")
     if c.hub_name:
         name = c.hub_name + (f" ({c.hub_config})" if c.hub_config else "")
-        try:
-            ds = datasets.load_dataset(c.hub_name, c.hub_config, split="train", cache_dir=hf_cache)
-        except ConnectionError as err:  # what `datasets` raises when the Hub does not answer
-            raise ValueError(
-                f"data.hub_name: cannot download {name}: the Hugging Face Hub is unreachable "
-                "(offline); use local files instead: data=pairs data.paths=[pairs.jsonl]"
-            ) from err
+        fix = "data=pairs data.paths=[pairs.jsonl]"
+        ds = load_hub(c.hub_name, c.hub_config, c.cache_dir, key="data.hub_name", local_fix=fix)
     else:
-        files = expand_paths(c.paths)
+        files = expand_paths(c.paths, list(FILE_FORMATS))
         name = ", ".join(str(f) for f in files)
         data_files = [str(f) for f in files]
         ds = datasets.load_dataset(

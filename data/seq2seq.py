@@ -16,18 +16,18 @@ from torch.utils.data import DataLoader, Dataset
 from data.cache import CachedDataModule, entry_path
 from data.metrics import character_error_rate
 from data.pairs import (
+    FILE_FORMATS,
     MASK,
     MIN_PASSAGE,
     Ragged,
     corrupt_chars,
     corrupt_spans,
-    expand_paths,
     load_pair_texts,
     next_line_pairs,
     passages,
     split_rows,
 )
-from data.sources import load_shakespeare, train_val_split
+from data.sources import expand_paths, file_fingerprint, load_shakespeare, train_val_split
 from data.tokenizer import CharTokenizer
 
 # Bump whenever the cache entry's contents change meaning (passages, corruption, file layout).
@@ -280,8 +280,8 @@ class Seq2SeqDataModule(CachedDataModule):
             key |= {"seed": c.seed, "columns": [c.source_column, c.target_column]}
             key |= {"hub": [c.hub_name, c.hub_config]}
             # Size and modification time, so an edited file gets a fresh entry.
-            stats = [(f, f.stat()) for f in expand_paths(c.paths)]
-            key["files"] = [[str(f), s.st_size, s.st_mtime_ns] for f, s in stats]
+            if c.paths:
+                key["files"] = file_fingerprint(expand_paths(c.paths, list(FILE_FORMATS)))
         return key
 
     @property

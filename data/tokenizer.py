@@ -3,7 +3,7 @@ key, so a checkpoint can carry its tokenizer and `tokenizer_from_dict` can rebui
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,6 +32,10 @@ class SpecialTokens:
     @property
     def mask_id(self) -> int | None:
         return self._special("<mask>")
+
+    @property
+    def unk_id(self) -> int | None:
+        return self._special("<unk>")
 
     @property
     def special_ids(self) -> set[int]:
@@ -79,10 +83,21 @@ class CharTokenizer(SpecialTokens):
                 "so use only characters that occur there"
             ) from None
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Text for `ids`; with skip_special=False specials appear by name, e.g. "<mask>"."""
         n = len(self.specials)
         return "".join(self._tokens[i] for i in ids if not (skip_special and 0 <= i < n))
+
+    def known(self, text: str) -> str:
+        """`text` without the characters that have no id."""
+        return "".join(c for c in text if c in self._ids) if set(text) - self._ids.keys() else text
+
+    def token_char_counts(self) -> list[int]:
+        """Characters each id stands for: 1, or 0 for a special."""
+        return [0] * len(self.specials) + [1] * len(self.chars)
 
     def to_dict(self) -> dict:
         return {"type": "char", "chars": self.chars, "specials": self.specials}
@@ -113,7 +128,11 @@ class BPETokenizer(SpecialTokens):
         self.specials = list(specials)
 
     @classmethod
-    def train(cls, text: str, vocab_size: int, specials: Sequence[str] = ()) -> "BPETokenizer":
+    def train(
+        cls, texts: str | Iterable[str], vocab_size: int, specials: Sequence[str] = ()
+    ) -> "BPETokenizer":
+        """Learn merges from `texts`, an iterable of training units (streamed, never held all at
+        once) or one string, which is cut into paragraphs. Merges never cross a unit's end."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         least = len(alphabet) + len(specials) + 1
         if vocab_size < least:
@@ -130,8 +149,8 @@ class BPETokenizer(SpecialTokens):
             initial_alphabet=alphabet,
             show_progress=False,
         )
-        # Speeches as training units: merges never cross a speech boundary.
-        tokenizer.train_from_iterator(text.split("\n\n"), trainer=trainer)
+        units = texts.split("\n\n") if isinstance(texts, str) else texts
+        tokenizer.train_from_iterator(units, trainer=trainer)
         return cls(tokenizer, specials)
 
     @property
@@ -141,8 +160,24 @@ class BPETokenizer(SpecialTokens):
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, in parallel threads."""
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_char_counts(self) -> list[int]:
+        """Characters each id stands for, counted as the UTF-8 lead bytes among its bytes: a
+        token may hold part of a character, but summing over any encoded text gives exactly its
+        length. Specials count 0."""
+        byte_of = _byte_level_bytes()
+        counts = [0] * self.vocab_size
+        for token, i in self._tokenizer.get_vocab().items():
+            if i >= len(self.specials):
+                counts[i] = sum(byte_of[ch] & 0xC0 != 0x80 for ch in token)
+        return counts
 
     def to_dict(self) -> dict:
         return {"type": "bpe", "tokenizer": self._tokenizer.to_str(), "specials": self.specials}
@@ -153,6 +188,15 @@ class BPETokenizer(SpecialTokens):
 
     def save(self, path: str | os.PathLike) -> None:
         _write_atomic(Path(path), json.dumps(self.to_dict()))
+
+
+def _byte_level_bytes() -> dict[str, int]:
+    """The byte each character of a byte-level BPE token stands for. Byte-level BPE spells bytes
+    as printable characters: printable Latin-1 bytes as themselves, the other 68 bytes as
+    U+0100 onwards, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(0x100 + n): b for n, b in enumerate(shifted)}
 
 
 TOKENIZERS = {"char": CharTokenizer, "bpe": BPETokenizer}

@@ -64,7 +64,7 @@ def test_bpe_vocab_too_small_names_the_key():
 def test_bpe_config_validation():
     with pytest.raises(ValueError, match="data.bpe_vocab_size must be a positive integer"):
         LMDataConfig(tokenizer="bpe", bpe_vocab_size=0)
-    with pytest.raises(ValueError, match=r"data.tokenizer must be one of \['bpe', 'char'\]"):
+    with pytest.raises(ValueError, match=r"data.tokenizer must be one of \['char', 'bpe'\]"):
         LMDataConfig(tokenizer="wordpiece")
 
 
@@ -75,6 +75,8 @@ def test_shakespeare_bpe_data_module(tmp_path):
     dm.prepare_data()
     dm.setup()
     assert not dm.cache_hit and dm.vocab_size == 400
+    assert dm.tokenizer.specials == ["<pad>", "<bos>", "<eos>", "<unk>"]
+    assert dm.tokenizer.unk_id == 3
     text = dm.tokenizer.decode(dm._split("val")[:2000].tolist())
     assert text.startswith(dm.tokenizer.decode(dm.val_sample(50).tolist()))
     assert "\n\n" in text and text.isascii()

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-import data.lm
 from data import (
     CharTokenizer,
     LMDataConfig,
@@ -179,16 +178,20 @@ def test_cache_entry_contents(dm, corpus):
     assert meta["train_tokens"] + meta["val_tokens"] == pytest.approx(len(corpus), abs=100)
 
 
-def test_val_only_characters_are_dropped_not_fatal(tmp_path, monkeypatch):
-    plays = ["A:\nabc\n\nB:\nabd\n\n", "B:\nbad\n\nA:\ncab\u00e9\n\n"]  # val: 2nd speeches
-    monkeypatch.setitem(data.lm.SOURCES, "tiny", lambda cache_dir: {"text": plays})
-    module = LMDataModule(source="tiny", block_size=2, val_fraction=0.6, cache_dir=str(tmp_path))
+def test_val_only_characters_are_dropped_not_fatal(tmp_path):
+    rows = ["A: abc", "B: bad\u00e9", "B: D cabd", "D: dab"]  # the 2nd and 4th rows are val
+    corpus = tmp_path / "rows.jsonl"
+    corpus.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    module = LMDataModule(
+        source="text_files", paths=[str(corpus)], block_size=2, val_fraction=0.5, cache_dir=tmp_path
+    )
     module.prepare_data()
     module.setup()
     meta = json.loads((module.cache_entry / "meta.json").read_text())
     assert meta["val_chars_dropped"] == 1
     val = module.tokenizer.decode(module.val_sample(meta["val_tokens"]).tolist())
-    assert val == "B:\nabd\n\nA:\ncab\n"
+    assert val == "B: bad\n\nD: dab"
+    assert meta["val_chars"] == len(val)
 
 
 def test_train_batches(dm):
@@ -238,11 +241,22 @@ def test_unigram_loss_is_a_sane_baseline(dm):
         ({"block_size": 1.5}, "data.block_size must be a positive integer, got 1.5"),
         ({"num_workers": -1}, "data.num_workers must be a non-negative integer, got -1"),
         ({"val_fraction": 1.0}, "data.val_fraction must be a number between 0 and 1, got 1.0"),
-        ({"source": "wiki"}, "data.source must be one of ['shakespeare'], got 'wiki'"),
+        (
+            {"source": "wiki"},
+            "data.source must be one of ['shakespeare', 'text_files', 'hub'], got 'wiki'",
+        ),
         (
             {"tokenizer": "wordpiece"},
-            "data.tokenizer must be one of ['bpe', 'char'], got 'wordpiece'",
+            "data.tokenizer must be one of ['char', 'bpe'], got 'wordpiece'",
         ),
+        ({"num_proc": 0}, "data.num_proc must be a positive integer, got 0"),
+        ({"streaming": "yes"}, "data.streaming must be true or false, got 'yes'"),
+        ({"source": "text_files"}, "source=text_files needs data.paths, got source=text_files"),
+        ({"paths": ["a.txt"]}, "data.paths is only read by source=text_files"),
+        ({"source": "hub"}, "source=hub needs data.name, got source=hub and name=None"),
+        ({"name": "wikitext"}, "data.name is only read by source=hub"),
+        ({"config": "raw"}, "data.config is only read by source=hub"),
+        ({"text_column": ""}, "data.text_column must be a column name, got ''"),
         ({"cache_dir": ""}, "data.cache_dir must be a directory path, got ''"),
     ],
 )

@@ -1,0 +1,230 @@
+"""Language-model corpora beyond the embedded one: local text files, the Hub, streaming,
+parallel tokenisation, reused tokenizers, and cache entries built once under concurrency."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import datasets
+import huggingface_hub
+import numpy as np
+import pytest
+
+from data.lm import LMDataModule
+from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAGRAPHS = [
+    f"Paragraph {i} of 0123456789: the quick brown fox {'jumps ' * (i % 5)}over dog {i}."
+    for i in range(40)
+]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A folder of .txt, .md (one document per paragraph) and .jsonl (one per row) files."""
+    folder = tmp_path / "corpus"
+    (folder / "nested").mkdir(parents=True)
+    (folder / "a.txt").write_text("\n\n".join(PARAGRAPHS[:20]) + "\n")
+    (folder / "nested" / "b.md").write_text("\n\n".join(PARAGRAPHS[20:30]))
+    rows = [{"body": p, "id": i} for i, p in enumerate(PARAGRAPHS[30:])]
+    (folder / "nested" / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "ignored.csv").write_text("not,read\n")
+    return folder
+
+
+def prepared(**options) -> LMDataModule:
+    module = LMDataModule(block_size=8, batch_size=4, **options)
+    module.prepare_data()
+    module.setup()
+    return module
+
+
+def split_text(module: LMDataModule, split: str) -> str:
+    return module.tokenizer.decode(np.asarray(module._split(split)).tolist())
+
+
+def test_text_files_folder_documents_and_split(corpus, tmp_path):
+    module = prepared(
+        source="text_files", paths=[str(corpus)], text_column="body", cache_dir=tmp_path
+    )
+    # Files in sorted order (a.txt, nested/b.md, nested/c.jsonl), one in ten documents to val.
+    val = [p for i, p in enumerate(PARAGRAPHS) if i % 10 == 9]
+    train = [p for i, p in enumerate(PARAGRAPHS) if i % 10 != 9]
+    assert split_text(module, "val") == "\n\n".join(val)
+    assert split_text(module, "train") == "\n\n".join(train)
+    meta = json.loads((module.cache_entry / "meta.json").read_text())
+    assert meta["val_chars"] == len("\n\n".join(val))
+    assert [Path(f).name for f, *_ in meta["key"]["files"]] == ["a.txt", "b.md", "c.jsonl"]
+
+
+def test_text_files_globs_and_edits_make_a_new_entry(corpus, tmp_path):
+    options = dict(source="text_files", paths=[str(corpus / "*.txt")], cache_dir=tmp_path)
+    first = prepared(**options).cache_entry
+    assert prepared(**options).cache_hit
+    with open(corpus / "a.txt", "a") as f:
+        f.write("\nA new paragraph, appended.\n")
+    edited = prepared(**options)
+    assert not edited.cache_hit and edited.cache_entry != first
+    assert "appended" in split_text(edited, "train") + split_text(edited, "val")
+
+
+@pytest.mark.parametrize(
+    ("paths", "error", "message"),
+    [
+        (
+            ["missing.txt"],
+            FileNotFoundError,
+            "data.paths: no file at .*missing.txt; check the path",
+        ),
+        (["*.rst"], FileNotFoundError, r"data.paths: no file matches '.*\*.rst'; check the glob"),
+        (["ignored.csv"], ValueError, r"ignored.csv has an unsupported extension; use one of .txt"),
+        (
+            ["nested/c.jsonl"],
+            ValueError,
+            r"data.text_column='text' is not a column of .*c.jsonl; "
+            r"available columns: \['body', 'id'\]",
+        ),
+    ],
+)
+def test_text_files_errors_name_the_value_and_the_fix(corpus, tmp_path, paths, error, message):
+    paths = [str(corpus / p) for p in paths]
+    with pytest.raises(error, match=message):
+        prepared(source="text_files", paths=paths, cache_dir=tmp_path)
+    assert not list(tmp_path.glob("lm/*/meta.json"))  # nothing half-built is left as an entry
+
+
+def test_too_few_documents_for_a_val_split(tmp_path):
+    (tmp_path / "one.txt").write_text("A single paragraph, so nothing is left for validation.")
+    with pytest.raises(
+        ValueError,
+        match=r"the val split of data.source=text_files is empty.*"
+        r"data.val_fraction=0.1; add text or change val_fraction",
+    ):
+        prepared(source="text_files", paths=[str(tmp_path / "one.txt")], cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_streaming_and_parallel_tokenisation_build_the_same_entry(corpus, tmp_path, tokenizer):
+    """The cache key ignores streaming and num_proc because they don't change the tokens."""
+    options = dict(source="text_files", paths=[str(corpus)], text_column="body")
+    options |= dict(tokenizer=tokenizer, bpe_vocab_size=300)
+    built = {
+        name: prepared(cache_dir=tmp_path / name, **options, **extra)
+        for name, extra in [
+            ("plain", {}),
+            ("stream", {"streaming": True}),
+            ("procs", {"num_proc": 2}),
+        ]
+    }
+    entries = {name: module.cache_entry for name, module in built.items()}
+    assert len({entry.name for entry in entries.values()}) == 1
+    for name in ("stream", "procs"):
+        for file in ("train.bin", "val.bin", "tokenizer.json"):
+            assert (entries[name] / file).read_bytes() == (entries["plain"] / file).read_bytes()
+
+
+def test_streaming_shakespeare_matches_the_in_memory_build(tmp_path):
+    plain = prepared(cache_dir=tmp_path / "plain")
+    stream = prepared(cache_dir=tmp_path / "stream", streaming=True)
+    for file in ("train.bin", "val.bin"):
+        assert (plain.cache_entry / file).read_bytes() == (stream.cache_entry / file).read_bytes()
+
+
+def test_hub_source_offline_points_to_text_files(tmp_path, monkeypatch):
+    # The Hub does not answer here: `datasets` would retry for ~25 s before failing, so it is
+    # told up front that it is offline (what HF_HUB_OFFLINE=1 does at import time).
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    module = LMDataModule(
+        source="hub", name="wikitext", config="wikitext-2-raw-v1", cache_dir=tmp_path
+    )
+    message = (
+        r"data.name: cannot download wikitext \(wikitext-2-raw-v1\): the Hugging Face Hub is "
+        r"unreachable \(offline\); use local files instead: data=text_files 'data.paths=\["
+    )
+    with pytest.raises(ValueError, match=message):
+        module.prepare_data()
+
+
+def test_a_given_tokenizer_is_reused_not_retrained(corpus, tmp_path, monkeypatch):
+    options = dict(source="text_files", paths=[str(corpus / "a.txt")], cache_dir=tmp_path)
+    trained = prepared(tokenizer="bpe", bpe_vocab_size=300, **options)
+    saved = tmp_path / "run" / "tokenizer.json"
+    saved.parent.mkdir()
+    trained.tokenizer.save(saved)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the tokenizer was retrained")
+
+    monkeypatch.setattr(BPETokenizer, "train", no_training)
+    monkeypatch.setattr(CharTokenizer, "__init__", no_training)
+    reused = prepared(tokenizer_file=str(saved), **options)
+    assert reused.cache_entry != trained.cache_entry  # keyed on the tokenizer itself
+    assert reused.tokenizer.to_dict() == trained.tokenizer.to_dict()
+    assert np.array_equal(reused._split("train"), trained._split("train"))
+
+
+def test_missing_tokenizer_file_is_explained(tmp_path):
+    with pytest.raises(
+        FileNotFoundError, match=r"data.tokenizer_file: no tokenizer at .*nope.json"
+    ):
+        LMDataModule(tokenizer_file=str(tmp_path / "nope.json"))
+
+
+# --- Concurrency: one writer, the others wait and reuse ----------------------------------------
+
+PREPARE = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+    from data.lm import LMDataModule
+
+    corpus, cache, name = sys.argv[1:]
+    real_build = LMDataModule._build
+
+    def slow_build(self, out):
+        Path(cache, f"built-by-{name}").touch()
+        while len(list(Path(cache).glob("ready-*"))) < 2:  # the other process is on its way
+            time.sleep(0.05)
+        time.sleep(1)  # and now inside prepare_data, while this one builds
+        real_build(self, out)
+
+    LMDataModule._build = slow_build
+    module = LMDataModule(source="text_files", paths=[corpus], tokenizer="bpe",
+                          bpe_vocab_size=300, block_size=8, cache_dir=cache)
+    Path(cache, f"ready-{name}").touch()
+    module.prepare_data()
+    module.setup()
+    print(json.dumps({"hit": module.cache_hit, "entry": str(module.cache_entry),
+                      "train": module._split("train").tolist()}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_processes_preparing_one_entry_build_it_once(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def start(name: str) -> subprocess.Popen:
+        command = [sys.executable, "-c", PREPARE, str(corpus / "a.txt"), str(cache), name]
+        return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+
+    processes = [start("first"), start("second")]
+    results = [json.loads(p.communicate(timeout=300)[0].splitlines()[-1]) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0]
+    assert sorted(r["hit"] for r in results) == [False, True]
+    assert len(list(cache.glob("built-by-*"))) == 1  # one writer; the other waited and reused
+    assert results[0]["entry"] == results[1]["entry"]
+    assert results[0]["train"] == results[1]["train"]
+    entry = Path(results[0]["entry"])
+    assert sorted(p.name for p in entry.parent.iterdir() if not p.name.startswith(".")) == [
+        entry.name
+    ]
+    assert not list(entry.parent.glob(".tmp-*"))
+    assert load_tokenizer(entry / "tokenizer.json").vocab_size == 300
