@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 from torch import Tensor
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 
 from data.metrics import character_error_rate
 from data.seq2seq import pad_sequences
@@ -132,9 +132,29 @@ class TrainingModule(L.LightningModule):
 
 
 class LanguageModelModule(TrainingModule):
-    """Next-token prediction with the GPT; batches are (x, y) blocks."""
+    """Next-token prediction with the GPT; batches are (x, y) blocks. Validation also reports
+    bits per character, which compares across tokenizers where loss per token cannot."""
 
     kind = "gpt"
+
+    def __init__(self, model: dict, optim: dict, tokenizer: dict, run_config: dict | None = None):
+        super().__init__(model, optim, tokenizer, run_config)
+        chars = torch.tensor(self.tokenizer.token_char_counts())
+        self.register_buffer("token_chars", chars, persistent=False)
+        self.val_nats, self.val_chars = SumMetric(), SumMetric()
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, _, tokens = self.loss(batch)
+        self.val_loss.update(loss, weight=tokens)
+        self.val_nats.update(loss * tokens)
+        self.val_chars.update(self.token_chars[batch[1]].sum())
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        bits = self.val_nats.compute() / self.val_chars.compute() / math.log(2)
+        self.val_nats.reset()
+        self.val_chars.reset()
+        self.log("val/bits_per_char", bits)
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, int]:
         x, y = batch
