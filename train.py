@@ -15,12 +15,14 @@ import torch
 import wandb
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
 from data.seq2seq import Seq2SeqDataModule
+from data.tokenizer import tokenizer_from_dict
 from generate import SamplingConfig, exit_on_user_error, load_checkpoint, stream_samples
 from model.encdec import EncoderDecoder
 from model.module import (
@@ -96,6 +98,25 @@ def describe_baseline(datamodule) -> str:
     )
 
 
+def checkpoint_tokenizer(ckpt_path: str) -> dict:
+    """The tokenizer a checkpoint was trained with, so a resumed run keeps its token ids."""
+    if not Path(ckpt_path).is_file():
+        raise FileNotFoundError(f"ckpt_path: no checkpoint at {ckpt_path}; check the path")
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    return checkpoint["hyper_parameters"]["tokenizer"]
+
+
+def check_not_ddp_in_multirun(trainer: L.Trainer) -> None:
+    # Lightning starts the other ranks by re-running the command line, which in a sweep would
+    # re-run the whole sweep in every rank.
+    if trainer.world_size > 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise ValueError(
+            f"a multi-process trainer (world size {trainer.world_size}) cannot run inside a "
+            "--multirun sweep; sweep with one process per job (trainer=default), or launch "
+            "each distributed run on its own"
+        )
+
+
 def train(cfg: DictConfig) -> float | None:
     # Everything a user can get wrong in the config is checked before any data is loaded.
     optim = OptimConfig(**cfg.optim)
@@ -104,28 +125,46 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = instantiate_checked(cfg.data)
     module_class = module_for(model_config)
     check_model_fits_data(module_class, datamodule)
+    if not isinstance(cfg.compile, bool):
+        raise ValueError(f"compile must be true or false, got {cfg.compile!r}")
+    resumed_tokenizer = checkpoint_tokenizer(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     callbacks = [instantiate_checked(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate_checked(c) for c in (cfg.get("logger") or {}).values()]
+    trainer = instantiate_checked(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    check_not_ddp_in_multirun(trainer)
     L.seed_everything(cfg.seed, workers=True)
 
+    # Every rank prepares the data itself (one builds the cache entry, the others wait for it
+    # and reuse it), so the vocabulary size is the same everywhere without passing it around.
+    if resumed_tokenizer is not None and isinstance(datamodule, LMDataModule):
+        datamodule.use_tokenizer(tokenizer_from_dict(resumed_tokenizer))
     datamodule.prepare_data()
     datamodule.setup("fit")
+    tokenizer = datamodule.tokenizer
+    if resumed_tokenizer is not None and tokenizer.to_dict() != resumed_tokenizer:
+        raise ValueError(
+            f"ckpt_path={cfg.ckpt_path} was trained with another tokenizer than this data "
+            "gives; resume with the data options of that run"
+        )
     model_config = dataclasses.replace(model_config, vocab_size=datamodule.vocab_size)
     run_config = OmegaConf.to_container(cfg, resolve=True)
     run_config["model"]["vocab_size"] = datamodule.vocab_size
     module = module_class(
         model=model_config.to_dict(),
         optim=dataclasses.asdict(optim),
-        tokenizer=datamodule.tokenizer.to_dict(),
+        tokenizer=tokenizer.to_dict(),
         run_config=run_config,
     )
-    print(
-        f"model: {module.model.num_parameters() / 1e6:.2f}M parameters; "
-        f"{describe_baseline(datamodule)}"
-    )
+    if cfg.compile:
+        module.model.compile()  # in place: the state dict keeps its keys, checkpoints load as ever
+    if trainer.is_global_zero:
+        tokenizer.save(Path(cfg.paths.output_dir) / "tokenizer.json")
+        print(
+            f"model: {module.model.num_parameters() / 1e6:.2f}M parameters; "
+            f"{describe_baseline(datamodule)}"
+        )
     for logger in loggers:
         logger.log_hyperparams(run_config)
-    trainer = instantiate_checked(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
 
     if trainer.is_global_zero:

@@ -3,6 +3,7 @@ written once, atomically, by one process while any others preparing the same ent
 multirun jobs) wait and then reuse it; and the data-module base that builds, loads and batches
 them."""
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -81,6 +82,12 @@ class CachedDataModule(L.LightningDataModule):
         self.cache_hit = False
         self._tokenizer: CharTokenizer | None = None
         self._splits: dict = {}
+
+    def keep_config(self, config) -> None:
+        """Use the validated dataclass `config`, and save it as plain values (lists, not Hydra's
+        ListConfig) so checkpoints load with torch.load(weights_only=True)."""
+        self.config = config
+        self.save_hyperparameters(dataclasses.asdict(config))
 
     @property
     def cache_entry(self) -> Path:

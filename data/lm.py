@@ -172,8 +172,7 @@ class LMDataModule(CachedDataModule):
 
     def __init__(self, **options) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.config = LMDataConfig(**options)
+        self.keep_config(LMDataConfig(**options))
         self._given_tokenizer = None
         if self.config.tokenizer_file is not None:
             self.use_tokenizer(load_tokenizer(self.config.tokenizer_file))

@@ -243,29 +243,9 @@ TASK_BUILDERS = {"denoise": denoise_task, "next_line": next_line_task, "pairs": 
 class Seq2SeqDataModule(CachedDataModule):
     """(source, target) pairs for the encoder-decoder; Seq2SeqDataConfig documents the options."""
 
-    def __init__(
-        self,
-        task: str = "denoise",
-        corruption: str = "char",
-        noise_rate: float = 0.15,
-        mean_span: float = 3,
-        max_source_len: int = 96,
-        max_target_len: int = 96,
-        batch_size: int = 64,
-        val_fraction: float = 0.1,
-        cache_dir: str = ".cache/tinyformer",
-        num_workers: int = 0,
-        seed: int = 1234,
-        paths: Sequence[str] = (),
-        hub_name: str | None = None,
-        hub_config: str | None = None,
-        source_column: str = "source",
-        target_column: str = "target",
-        val_subset: int = 256,
-    ):
+    def __init__(self, **options) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.config = Seq2SeqDataConfig(**self.hparams)
+        self.keep_config(Seq2SeqDataConfig(**options))
 
     def _cache_key(self) -> dict:
         """Everything that changes the prepared pairs; batching and val_subset don't."""

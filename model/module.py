@@ -89,7 +89,7 @@ class TrainingModule(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss, _, tokens = self.loss(batch)
         self._batch_tokens = tokens
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the mean over ranks
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         return loss
 

@@ -1,0 +1,39 @@
+"""Run train.py as a user would and read back what it logged (logger=csv): shared by the
+benchmark scripts, which compare runs side by side in one invocation."""
+
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(run_dir: Path, *overrides: str, env: dict | None = None) -> tuple[float, list[dict]]:
+    """Wall seconds of `python train.py overrides...` and its logged rows (metrics.csv)."""
+    command = [sys.executable, str(ROOT / "train.py"), *overrides, "logger=csv"]
+    command.append(f"hydra.run.dir={run_dir}")
+    start = time.perf_counter()
+    result = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True
+    )
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    (metrics,) = Path(run_dir).glob("csv/**/metrics.csv")
+    with open(metrics) as f:
+        rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    return seconds, rows
+
+
+def last(rows: list[dict], key: str) -> float:
+    return [row[key] for row in rows if key in row][-1]
+
+
+def median_after(rows: list[dict], key: str, skip: int) -> float:
+    """Median of `key` over rows past the first `skip` logged values (warm-up)."""
+    values = [row[key] for row in rows if key in row][skip:]
+    return statistics.median(values)
