@@ -139,17 +139,24 @@ def _texts(corpus, column: str):
         yield from (text for text in batch[column] if text)
 
 
-def _write_stream(path: Path, rows, separator: list[int], dtype) -> int:
-    """Append each non-empty row of ids to `path`, separated by `separator`; the token count."""
-    count = 0
-    with open(path, "wb") as f:
-        for ids in rows:
-            if not ids:
-                continue
-            chunk = np.asarray((separator if count else []) + ids, dtype=dtype)
-            f.write(chunk.tobytes())
-            count += len(chunk)
-    return count
+class TokenWriter:
+    """Appends documents' token ids to a flat token file, a separator between documents."""
+
+    def __init__(self, path: Path, separator: list[int], dtype: type) -> None:
+        self.file = open(path, "wb")
+        self.separator, self.dtype, self.count = separator, dtype, 0
+
+    def append(self, ids: list[int]) -> None:
+        if ids:
+            chunk = np.asarray((self.separator if self.count else []) + ids, dtype=self.dtype)
+            self.file.write(chunk.tobytes())
+            self.count += len(chunk)
+
+    def __enter__(self) -> "TokenWriter":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.file.close()
 
 
 class TokenBlocks(Dataset):
@@ -254,22 +261,25 @@ class LMDataModule(CachedDataModule):
         encoded = self._map(corpus, encode, "encode", remove_columns=["train", "val"])
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
         separator = tokenizer.encode(DOCUMENT_SEPARATOR)
-        counts, dropped = {}, []
-        for split in ("train", "val"):
-
-            def rows(split=split):
-                for batch in encoded.iter(batch_size=BATCH_ROWS):
-                    if split == "val":
-                        dropped.extend(batch["val_dropped"])
-                    yield from batch[f"{split}_ids"]
-
-            counts[split] = _write_stream(out / f"{split}.bin", rows(), separator, dtype)
-            if counts[split] == 0:
+        dropped = 0
+        with (
+            TokenWriter(out / "train.bin", separator, dtype) as train,
+            TokenWriter(out / "val.bin", separator, dtype) as val,
+        ):
+            for batch in encoded.iter(batch_size=BATCH_ROWS):  # one pass, also when streaming
+                for ids in batch["train_ids"]:
+                    train.append(ids)
+                for ids in batch["val_ids"]:
+                    val.append(ids)
+                dropped += sum(batch["val_dropped"])
+        counts = {"train": train.count, "val": val.count}
+        for split, count in counts.items():
+            if count == 0:
                 raise ValueError(
                     f"the {split} split of data.source={c.source} is empty: too few documents "
                     f"for data.val_fraction={c.val_fraction}; add text or change val_fraction"
                 )
-        val = np.fromfile(out / "val.bin", dtype=dtype)
+        val_tokens = np.memmap(out / "val.bin", dtype=dtype, mode="r")
         tokenizer.save(out / "tokenizer.json")
         meta = {
             "key": json.loads(json.dumps(self._source_key())),
@@ -280,8 +290,8 @@ class LMDataModule(CachedDataModule):
             "vocab_size": tokenizer.vocab_size,
             "train_tokens": counts["train"],
             "val_tokens": counts["val"],
-            "val_chars": int(np.asarray(tokenizer.token_char_counts())[val].sum()),
-            "val_chars_dropped": sum(dropped),
+            "val_chars": int(np.asarray(tokenizer.token_char_counts())[val_tokens].sum()),
+            "val_chars_dropped": dropped,
         }
         (out / "meta.json").write_text(json.dumps(meta, indent=2))
 

@@ -88,3 +88,11 @@ def test_shakespeare_bpe_data_module(tmp_path):
     assert again.cache_hit
     bigger = LMDataModule(tokenizer="bpe", bpe_vocab_size=500, block_size=16, cache_dir=tmp_path)
     assert bigger.cache_entry != dm.cache_entry
+
+
+@pytest.mark.parametrize("text", TEXTS + ["𝔉𝔯𝔞𝔨𝔱𝔲𝔯 ¿Qué? 日本語"])
+def test_bpe_token_char_counts_sum_to_the_text_length(bpe, text):
+    # Tokens may split a multi-byte character; counting lead bytes still adds up exactly.
+    counts = bpe.token_char_counts()
+    assert len(counts) == bpe.vocab_size and counts[: len(SPECIALS)] == [0] * len(SPECIALS)
+    assert sum(counts[i] for i in bpe.encode(text)) == len(text)
