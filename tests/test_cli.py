@@ -41,6 +41,15 @@ def run_script(script: str, *overrides: str, cache_dir: Path) -> subprocess.Comp
     )
 
 
+def train_run(run_dir: Path, *overrides: str, cache_dir: Path) -> Path:
+    """Run train.py into `run_dir`, fail the test with its stderr if it fails, keep its stdout
+    as run_dir/stdout.txt, and return run_dir."""
+    result = run_script("train.py", *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir / "stdout.txt").write_text(result.stdout)
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def cli_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cli_cache")
@@ -48,11 +57,7 @@ def cli_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory, cli_cache) -> Path:
-    run_dir = tmp_path_factory.mktemp("run_wandb")
-    result = run_script("train.py", *TINY, f"hydra.run.dir={run_dir}", cache_dir=cli_cache)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir / "stdout.txt").write_text(result.stdout)
-    return run_dir
+    return train_run(tmp_path_factory.mktemp("run_wandb"), *TINY, cache_dir=cli_cache)
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import run_script
+from test_cli import run_script, train_run
 from wandb_offline import history
 
 TINY_ENCDEC = [
@@ -31,11 +31,7 @@ TINY_ENCDEC = [
 @pytest.fixture(scope="module")
 def encdec_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run_encdec")
-    cache_dir = tmp_path_factory.mktemp("encdec_cache")
-    result = run_script("train.py", *TINY_ENCDEC, f"hydra.run.dir={run_dir}", cache_dir=cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir / "stdout.txt").write_text(result.stdout)
-    return run_dir
+    return train_run(run_dir, *TINY_ENCDEC, cache_dir=tmp_path_factory.mktemp("encdec_cache"))
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import TINY, run_script
+from test_cli import TINY, run_script, train_run
 from wandb_offline import config, history
 
 SPEECH = "{name}:\nWhat light through yonder window breaks? It is the east, number {i}.\n"
@@ -22,12 +22,8 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, cache) -> Path:
-    run_dir = tmp_path_factory.mktemp("run_ddp")
     overrides = [*TINY, "trainer=ddp_cpu", "callbacks=batch_log", "data.batch_size=8"]
-    result = run_script("train.py", *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir / "stdout.txt").write_text(result.stdout)
-    return run_dir
+    return train_run(tmp_path_factory.mktemp("run_ddp"), *overrides, cache_dir=cache)
 
 
 @pytest.mark.slow
@@ -73,11 +69,9 @@ def test_text_files_run_trains_and_generates(tmp_path, cache):
             SPEECH.format(name=names[i % 3], i=i) for i in range(part * 100, part * 100 + 100)
         ]
         (corpus / f"part{part}.txt").write_text("\n".join(speeches))
-    run_dir = tmp_path / "run"
     overrides = [*TINY, "data=text_files", f"data.paths=[{corpus}/*.txt]", "data.tokenizer=bpe"]
-    overrides += ["data.bpe_vocab_size=300", "logger=csv", f"hydra.run.dir={run_dir}"]
-    result = run_script("train.py", *overrides, cache_dir=cache)
-    assert result.returncode == 0, result.stderr[-3000:]
+    overrides += ["data.bpe_vocab_size=300", "logger=csv"]
+    run_dir = train_run(tmp_path / "run", *overrides, cache_dir=cache)
     (metrics,) = run_dir.glob("csv/**/metrics.csv")
     lines = metrics.read_text().splitlines()
     header = lines[0].split(",")
@@ -89,12 +83,9 @@ def test_text_files_run_trains_and_generates(tmp_path, cache):
     # Resuming rebuilds the data with the checkpoint's tokenizer, never a retrained one, even
     # when the cache is gone.
     shutil.rmtree(cache / "lm")
-    resumed_dir = tmp_path / "resumed"
-    overrides = [o for o in overrides if not o.startswith(("hydra.run.dir", "trainer.max_steps"))]
-    ckpt = run_dir / "checkpoints" / "last.ckpt"
-    overrides += ["trainer.max_steps=100", f"ckpt_path={ckpt}", f"hydra.run.dir={resumed_dir}"]
-    resumed = run_script("train.py", *overrides, cache_dir=cache)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    overrides = [o for o in overrides if not o.startswith("trainer.max_steps")]
+    overrides += ["trainer.max_steps=100", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]
+    resumed_dir = train_run(tmp_path / "resumed", *overrides, cache_dir=cache)
     tokenizer = (run_dir / "tokenizer.json").read_text()
     assert (resumed_dir / "tokenizer.json").read_text() == tokenizer
     (meta,) = [json.loads(m.read_text()) for m in (cache / "lm").glob("*/meta.json")]
