@@ -28,6 +28,10 @@ from model.module import build_model
 T = TypeVar("T")
 
 
+# What a user's config or input causes; the message names the value and the fix.
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
 def exit_on_user_error(action: Callable[[], T]) -> T:
     """Run action; an error the user can fix is printed on one line and exits with status 1.
 
@@ -35,7 +39,7 @@ def exit_on_user_error(action: Callable[[], T]) -> T:
     """
     try:
         return action()
-    except (ValueError, FileNotFoundError) as error:
+    except USER_ERRORS as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {error}", file=sys.stderr)

@@ -1,12 +1,15 @@
 """Train a model from the shell: `python train.py [group=choice] [key=value ...]`.
 
 Hydra composes configs/train.yaml and makes the run directory; this file instantiates the
-data, the LightningModule, the loggers and the Trainer, fits, and returns the best validation
-loss so that Hydra sweepers can minimise it.
+data, the LightningModule, the loggers and the Trainer, fits, writes the run's summary.json,
+and returns the best validation loss so that Hydra sweepers can minimise it.
 """
 
 import dataclasses
+import json
 import shlex
+import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -23,7 +26,14 @@ from omegaconf import DictConfig, OmegaConf
 from data.lm import LMDataModule
 from data.seq2seq import Seq2SeqDataModule
 from data.tokenizer import tokenizer_from_dict
-from generate import SamplingConfig, exit_on_user_error, load_checkpoint, stream_samples
+from generate import (
+    USER_ERRORS,
+    SamplingConfig,
+    exit_on_user_error,
+    load_checkpoint,
+    stream_samples,
+)
+from model.attention_maps import AttentionMapLogger
 from model.encdec import EncoderDecoder
 from model.module import (
     LanguageModelModule,
@@ -32,6 +42,17 @@ from model.module import (
     greedy_decodes,
     module_for,
 )
+from model.run_history import RunHistory
+
+
+def sqlite_url(path: str) -> str:
+    """A SQLAlchemy URL for the sqlite file at `path`, its folder made first: an Optuna study is
+    created before Hydra makes the sweep directory it lives in."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{Path(path).resolve()}"
+
+
+OmegaConf.register_new_resolver("sqlite_url", sqlite_url)
 
 
 def instantiate_checked(node: DictConfig, **kwargs):
@@ -109,7 +130,7 @@ def checkpoint_tokenizer(ckpt_path: str) -> dict:
 def check_not_ddp_in_multirun(trainer: L.Trainer) -> None:
     # Lightning starts the other ranks by re-running the command line, which in a sweep would
     # re-run the whole sweep in every rank.
-    if trainer.world_size > 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
+    if trainer.world_size > 1 and in_sweep():
         raise ValueError(
             f"a multi-process trainer (world size {trainer.world_size}) cannot run inside a "
             "--multirun sweep; sweep with one process per job (trainer=default), or launch "
@@ -117,7 +138,49 @@ def check_not_ddp_in_multirun(trainer: L.Trainer) -> None:
         )
 
 
+def in_sweep() -> bool:
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def sweep_run_names(node: DictConfig) -> dict:
+    """For a W&B logger in a sweep job, what the config leaves unset: the sweep directory as the
+    group, the job's overrides as tags (W&B allows 64 characters) and as its name."""
+    if not (in_sweep() and node.get("_target_", "").endswith("WandbLogger")):
+        return {}
+    job = HydraConfig.get()
+    names = {"group": job.sweep.dir, "tags": [o[:64] for o in job.overrides.task]}
+    names["name"] = f"{job.job.num}: {job.job.override_dirname}"[:128]
+    return {key: value for key, value in names.items() if not node.get(key)}
+
+
+def write_summary(output_dir: str, summary: dict) -> None:
+    """<run dir>/summary.json: how the run went, for report.py and for people."""
+    job = HydraConfig.get()
+    summary = {"overrides": list(job.overrides.task), "job": job.job.num, **summary}
+    path = Path(output_dir) / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))
+
+
+def run_summary(trainer: L.Trainer, callbacks: list, started: float) -> dict:
+    history = next((c for c in callbacks if isinstance(c, RunHistory)), None)
+    maps = next((c for c in callbacks if isinstance(c, AttentionMapLogger)), None)
+    summary: dict = {"status": "completed", "wall_seconds": time.perf_counter() - started}
+    summary["steps"] = trainer.global_step
+    best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
+    summary["best_val_loss"] = None if best is None else float(best)
+    if history is not None:
+        for key in ("train/loss", "val/loss", "val/bits_per_char", "val/cer"):
+            summary[key] = history.last(key)
+        summary["train/tokens_per_sec"] = history.median("train/tokens_per_sec")
+        summary["history"] = history.rows
+    if maps is not None:
+        summary["attention/entropy_mean"] = maps.last_metrics.get("attention/entropy_mean")
+    return summary
+
+
 def train(cfg: DictConfig) -> float | None:
+    started = time.perf_counter()
     # Everything a user can get wrong in the config is checked before any data is loaded.
     optim = OptimConfig(**cfg.optim)
     SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True))
@@ -129,7 +192,9 @@ def train(cfg: DictConfig) -> float | None:
         raise ValueError(f"compile must be true or false, got {cfg.compile!r}")
     resumed_tokenizer = checkpoint_tokenizer(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     callbacks = [instantiate_checked(c) for c in (cfg.get("callbacks") or {}).values()]
-    loggers = [instantiate_checked(c) for c in (cfg.get("logger") or {}).values()]
+    loggers = [
+        instantiate_checked(c, **sweep_run_names(c)) for c in (cfg.get("logger") or {}).values()
+    ]
     trainer = instantiate_checked(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     check_not_ddp_in_multirun(trainer)
     L.seed_everything(cfg.seed, workers=True)
@@ -168,6 +233,7 @@ def train(cfg: DictConfig) -> float | None:
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
 
     if trainer.is_global_zero:
+        write_summary(cfg.paths.output_dir, run_summary(trainer, callbacks, started))
         print_summary(trainer, cfg, datamodule)
     if any(isinstance(logger, WandbLogger) for logger in loggers):
         wandb.finish()  # a multirun's next job must not log into this run
@@ -177,8 +243,30 @@ def train(cfg: DictConfig) -> float | None:
     return None if score is None else float(score)
 
 
+class JobFailed(Exception):
+    """A sweep job that the user's config broke."""
+
+
+def train_sweep_job(cfg: DictConfig) -> float | None:
+    """One job of a sweep. A job the user's config breaks (say n_head=3 with n_embd=128) fails
+    with a one-line message and a failed summary.json, and its error goes back to the sweeper,
+    which records it (Optuna marks the trial failed) while the other jobs run on."""
+    try:
+        return train(cfg)
+    except USER_ERRORS as error:
+        job = HydraConfig.get().job
+        message = f"job {job.num} ({job.override_dirname}): {error}"
+        print(f"error: {message}", file=sys.stderr)
+        write_summary(cfg.paths.output_dir, {"status": "failed", "error": str(error)})
+        raise JobFailed(message) from None
+    finally:
+        wandb.finish()  # a failed job's run must not swallow the next job's logging
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    if in_sweep():
+        return train_sweep_job(cfg)
     return exit_on_user_error(lambda: train(cfg))
 
 

@@ -92,13 +92,17 @@ def scaled_dot_product_attention(
     return dropped @ v, weights
 
 
+# Named scales, as functions of the head dimension d_k; "1/dk" is the muP-style scaling.
+SCALE_RULES = {"1/sqrt_dk": lambda d_k: 1.0 / math.sqrt(d_k), "1/dk": lambda d_k: 1.0 / d_k}
+
+
 @dataclass
 class AttentionConfig:
     """The attention knobs, `model.attention.*` on the command line."""
 
     n_head: int = 4
     n_kv_head: int | None = None  # None: one key/value head per query head (plain MHA)
-    scale: float | None = None  # None: 1/sqrt(head_dim)
+    scale: float | str | None = None  # a number, or a SCALE_RULES name; None: "1/sqrt_dk"
     window: int | None = None  # None: every earlier key; W: only the last W keys
     dropout: float = 0.0  # on the attention weights
 
@@ -119,14 +123,23 @@ class AttentionConfig:
                     f"model.attention.n_kv_head={self.n_kv_head}: pick n_kv_head among "
                     f"{[d for d in range(1, self.n_head + 1) if self.n_head % d == 0]}"
                 )
-        if self.scale is not None and not self.scale > 0:
-            raise ValueError(f"model.attention.scale must be > 0 or null, got {self.scale}")
+        number = isinstance(self.scale, int | float) and not isinstance(self.scale, bool)
+        if not (self.scale is None or self.scale in SCALE_RULES or (number and self.scale > 0)):
+            raise ValueError(
+                f"model.attention.scale must be a number > 0, one of {list(SCALE_RULES)} or "
+                f"null (= 1/sqrt_dk), got {self.scale!r}"
+            )
         if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
             raise ValueError(
                 f"model.attention.window must be a positive integer or null, got {self.window}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.attention.dropout must be in [0, 1), got {self.dropout}")
+
+    def scale_for(self, head_dim: int) -> float:
+        """The factor on QKᵀ for heads of `head_dim` dimensions."""
+        rule = "1/sqrt_dk" if self.scale is None else self.scale
+        return SCALE_RULES[rule](head_dim) if isinstance(rule, str) else float(rule)
 
     @property
     def kv_heads(self) -> int:
@@ -209,7 +222,7 @@ class MultiHeadAttention(nn.Module):
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads
         self.head_dim = d_model // config.n_head
-        self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.scale = config.scale_for(self.head_dim)
         self.causal = causal
         self.window = config.window
         context_dim = context_dim or d_model

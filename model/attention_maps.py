@@ -141,6 +141,7 @@ class AttentionMapLogger(L.Callback):
         self.max_labelled_tokens = max_labelled_tokens
         self.out_dir = Path(out_dir) if out_dir else None
         self._last_logged_step = -1
+        self.last_metrics: dict[str, float] = {}  # the statistics of the latest maps
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step % self.every_n_steps == 0:
@@ -179,6 +180,7 @@ class AttentionMapLogger(L.Callback):
                 for stat, values in stats.items():
                     metrics[f"attention/{record.name}/head{head}/{stat}"] = values[head].item()
         metrics["attention/entropy_mean"] = torch.cat(entropies).mean().item()
+        self.last_metrics = metrics
         images = {}
         for record in records:
             query_labels, key_labels = labels_for(record.name)

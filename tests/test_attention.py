@@ -218,12 +218,31 @@ def test_n_head_not_divisible_by_n_kv_head():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"n_head": 0}, {"n_kv_head": 0}, {"scale": 0.0}, {"window": 0}, {"dropout": 1.0}]
+    "kwargs",
+    [
+        {"n_head": 0},
+        {"n_kv_head": 0},
+        {"scale": 0.0},
+        {"scale": "sqrt"},
+        {"scale": True},
+        {"window": 0},
+        {"dropout": 1.0},
+    ],
 )
 def test_attention_config_rejects_bad_values(kwargs):
     name, value = next(iter(kwargs.items()))
     with pytest.raises(ValueError, match=rf"{name} .*{value}"):
         AttentionConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("scale", "expected"), [(None, 1 / 8), ("1/sqrt_dk", 1 / 8), ("1/dk", 1 / 64), (1, 1.0)]
+)
+def test_named_scales_follow_the_head_dimension(scale, expected):
+    mha = MultiHeadAttention(256, AttentionConfig(n_head=4, scale=scale))  # head_dim 64
+    assert mha.scale == expected
+    q, k = torch.randn(2, 3, 64), torch.randn(2, 5, 64)
+    torch.testing.assert_close(attention_scores(q, k, scale=mha.scale), q @ k.mT * expected)
 
 
 @pytest.mark.parametrize("mask_shape", [(4, 6), (2, 5, 7), (2, 3, 2, 5, 7), (4, 1, 1, 5, 7)])

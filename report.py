@@ -1,0 +1,220 @@
+"""Summarise a sweep from its jobs' own summaries, no logging service needed:
+
+    python report.py multirun/ablation_scale/2026-11-23_10-00-00 [--wandb]
+
+Reads <sweep dir>/<job>/summary.json (written by train.py) and writes into the sweep directory
+report.md (a table: swept values, final train/val loss, bits per character, tokens/s, mean
+attention entropy, wall time), val_loss.png (best val loss against each swept value) and
+loss_curves.png (every job's validation curve). When the jobs logged to W&B online, or with
+--wandb, the table and plots also go to a summary run in the sweep's group.
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import yaml  # noqa: E402
+
+COLUMNS = [
+    ("train loss", "train/loss", "{:.3f}"),
+    ("val loss", "val/loss", "{:.3f}"),
+    ("best val loss", "best_val_loss", "{:.3f}"),
+    ("val bits/char", "val/bits_per_char", "{:.3f}"),
+    ("tokens/s", "train/tokens_per_sec", "{:,.0f}"),
+    ("attention entropy", "attention/entropy_mean", "{:.2f}"),
+    ("wall s", "wall_seconds", "{:.0f}"),
+]
+
+
+def load_jobs(sweep_dir: Path) -> list[dict]:
+    """The jobs' summaries, in job order, each with its parsed overrides under "values"."""
+    paths = sorted(sweep_dir.glob("*/summary.json"), key=lambda p: (len(p.parent.name), p))
+    if not paths:
+        raise FileNotFoundError(
+            f"no */summary.json under {sweep_dir}: point report.py at the directory of a sweep "
+            "made by `python train.py -m ...` (its jobs are numbered subdirectories)"
+        )
+    jobs = []
+    for path in paths:
+        job = json.loads(path.read_text())
+        job["dir"] = path.parent
+        job["values"] = dict(o.split("=", 1) for o in job.get("overrides", []) if "=" in o)
+        jobs.append(job)
+    return jobs
+
+
+def swept_keys(jobs: list[dict]) -> list[str]:
+    """The override keys whose values differ between jobs, in the order the jobs give them."""
+    keys = list(dict.fromkeys(k for job in jobs for k in job["values"]))
+    return [k for k in keys if len({job["values"].get(k) for job in jobs}) > 1]
+
+
+def fixed_overrides(jobs: list[dict], swept: list[str]) -> list[str]:
+    first = jobs[0]["values"]
+    return [f"{k}={v}" for k, v in first.items() if k not in swept]
+
+
+def shown(value: str) -> str:
+    """An override value for a table: long decimals (Optuna's draws) cut to 4 digits."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return f"{number:.4g}" if "." in value and len(value) > 6 else value
+
+
+def cell(job: dict, key: str, fmt: str) -> str:
+    value = job.get(key)
+    return "–" if value is None else fmt.format(value)
+
+
+def markdown_table(jobs: list[dict], swept: list[str]) -> str:
+    header = ["job", *swept, "status", *(name for name, _, _ in COLUMNS)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for job in jobs:
+        status = job["status"] if job["status"] != "failed" else f"failed: {job.get('error', '')}"
+        values = (shown(job["values"].get(k, "")) for k in swept)
+        row = [str(job.get("job", job["dir"].name)), *values]
+        row += [status.replace("|", "/"), *(cell(job, key, fmt) for _, key, fmt in COLUMNS)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _as_numbers(values: list[str]) -> list[float] | None:
+    try:
+        numbers = [float(v) for v in values]
+    except ValueError:
+        return None
+    return numbers if all(math.isfinite(n) for n in numbers) else None
+
+
+def plot_loss_vs_values(jobs: list[dict], swept: list[str], path: Path) -> None:
+    """Best val loss against each swept key: one panel per key, failed jobs left out."""
+    done = [job for job in jobs if job["status"] == "completed"]
+    keys = swept or ["job"]
+    figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        labels = [job["values"].get(key, str(job.get("job"))) for job in done]
+        losses = [job["best_val_loss"] for job in done]
+        numbers = _as_numbers(labels)
+        if numbers is not None and len(set(numbers)) > 2:
+            order = sorted(range(len(done)), key=lambda i: numbers[i])
+            ax.plot([numbers[i] for i in order], [losses[i] for i in order], "o-")
+        else:  # names, or too few numbers for a line: one bar per job
+            ax.bar(range(len(done)), losses, color="tab:blue")
+            ax.set_xticks(range(len(done)), labels, rotation=30, ha="right")
+            ax.set_ylim(min(losses) * 0.97, max(losses) * 1.02)
+        ax.set_xlabel(key)
+        ax.set_ylabel("best val loss")
+        ax.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_loss_curves(jobs: list[dict], swept: list[str], path: Path) -> None:
+    """Every completed job's val loss (solid) and train loss (faint) against the step."""
+    figure, ax = plt.subplots(figsize=(7, 4.2))
+    for job in (j for j in jobs if j["status"] == "completed"):
+        label = ", ".join(f"{k.split('.')[-1]}={shown(job['values'].get(k, ''))}" for k in swept)
+        history = job.get("history", [])
+        train = [(r["step"], r["train/loss"]) for r in history if "train/loss" in r]
+        val = [(r["step"], r["val/loss"]) for r in history if "val/loss" in r]
+        (line,) = ax.plot(*zip(*val, strict=True), "o-", label=label or f"job {job.get('job')}")
+        if train:
+            ax.plot(*zip(*train, strict=True), color=line.get_color(), alpha=0.25, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (val solid, train faint)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def optuna_best(sweep_dir: Path) -> str:
+    results = sweep_dir / "optimization_results.yaml"
+    if not results.is_file():
+        return ""
+    best = yaml.safe_load(results.read_text())
+    params = ", ".join(f"{k}={v}" for k, v in best.get("best_params", {}).items())
+    return f"\nBest trial (Optuna): val loss {best.get('best_value'):.4f} with {params}\n"
+
+
+def jobs_logged_online(jobs: list[dict]) -> bool:
+    config = jobs[0]["dir"] / ".hydra" / "config.yaml"
+    if not config.is_file():
+        return False
+    wandb_logger = (yaml.safe_load(config.read_text()).get("logger") or {}).get("wandb")
+    return bool(wandb_logger) and wandb_logger.get("offline") is False
+
+
+def log_to_wandb(sweep_dir: Path, jobs: list[dict], swept: list[str], plots: list[Path]) -> str:
+    """A W&B run in the sweep's group holding the table and the plots; returns its directory."""
+    import wandb
+
+    header = ["job", *swept, "status", *(name for name, _, _ in COLUMNS)]
+    rows = [
+        [job.get("job"), *(job["values"].get(k) for k in swept), job["status"]]
+        + [job.get(key) for _, key, _ in COLUMNS]
+        for job in jobs
+    ]
+    run = wandb.init(
+        project="tinyformer",
+        group=str(sweep_dir),
+        job_type="sweep-report",
+        name=f"report: {sweep_dir}",
+        dir=str(sweep_dir),
+        config={"sweep_dir": str(sweep_dir), "swept": swept},
+    )
+    run.log(
+        {"sweep/table": wandb.Table(columns=header, data=rows)}
+        | {f"sweep/{p.stem}": wandb.Image(str(p)) for p in plots}
+    )
+    run_dir = run.dir
+    run.finish()
+    return run_dir
+
+
+def report(sweep_dir: Path, to_wandb: bool = False) -> str:
+    """Write report.md and the plots into `sweep_dir`; return the markdown."""
+    jobs = load_jobs(sweep_dir)
+    swept = swept_keys(jobs)
+    plots = [sweep_dir / "val_loss.png", sweep_dir / "loss_curves.png"]
+    completed = [job for job in jobs if job["status"] == "completed"]
+    if completed:
+        plot_loss_vs_values(jobs, swept, plots[0])
+        plot_loss_curves(jobs, swept, plots[1])
+    else:
+        plots = []
+    fixed = ", ".join(f"`{o}`" for o in fixed_overrides(jobs, swept)) or "none"
+    text = f"# Sweep {sweep_dir}\n\nCommon overrides: {fixed}\n\n"
+    text += markdown_table(jobs, swept) + "\n" + optuna_best(sweep_dir)
+    text += "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
+    (sweep_dir / "report.md").write_text(text)
+    if to_wandb or jobs_logged_online(jobs):
+        log_to_wandb(sweep_dir, jobs, swept, plots)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep_dir", type=Path, help="a multirun directory made by train.py -m")
+    parser.add_argument("--wandb", action="store_true", help="also log to a W&B summary run")
+    args = parser.parse_args(argv)
+    try:
+        print(report(args.sweep_dir, args.wandb))
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
