@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from torch import Tensor, nn
 
 from model.attention import AttentionConfig, KVCache, MultiHeadAttention
-from model.layers import MLP
+from model.layers import INIT_STD, MLP
 
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 # RoPE and ALiBi act inside self-attention; the others are added to the embeddings.
@@ -138,12 +138,12 @@ def init_weights(model: nn.Module, n_layer: int) -> None:
     1/sqrt(2 * n_layer) so that the residual stream's variance does not grow with depth."""
     for module in model.modules():
         if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
     for name, param in model.named_parameters():
         if name.endswith(("attn.out_proj.weight", "mlp.proj.weight")):
-            nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+            nn.init.normal_(param, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:

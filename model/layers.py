@@ -83,6 +83,10 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     return -slopes[:, None, None] * distance
 
 
+# GPT-2's initial weight scale, shared by every embedding table (see blocks.init_weights).
+INIT_STD = 0.02
+
+
 class AddedPositions(nn.Module):
     """Learned or sinusoidal positions, added to token embeddings (B, T, C).
 
@@ -95,9 +99,14 @@ class AddedPositions(nn.Module):
         self.kind, self.max_len, self.limit_key = kind, max_len, limit_key
         if kind == "learned":
             self.weight = nn.Parameter(torch.empty(max_len, d_model))
-            nn.init.normal_(self.weight, mean=0.0, std=0.02)
+            nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
         elif kind == "sinusoidal":
-            self.register_buffer("weight", sinusoidal_encoding(max_len, d_model), persistent=False)
+            # The table's entries have RMS 1/sqrt(2), ~35 times the token embeddings' INIT_STD:
+            # added as is, position would drown the tokens at the start of training. Vaswani et
+            # al. scale the embeddings up by sqrt(d_model); with GPT-2's small initialisation the
+            # table is scaled down to the embeddings' size instead.
+            table = sinusoidal_encoding(max_len, d_model) * INIT_STD * math.sqrt(2)
+            self.register_buffer("weight", table, persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x plus the encodings of positions offset .. offset + T - 1."""

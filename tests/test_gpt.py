@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from model.attention import AttentionConfig
 from model.gpt import GPT, POSITIONS, GPTConfig
+from model.layers import INIT_STD, AddedPositions, sinusoidal_encoding
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -245,3 +246,13 @@ def test_config_attention_from_dict_and_round_trip():
 def test_gpt_needs_vocab_size():
     with pytest.raises(ValueError, match="vocab_size"):
         GPT(GPTConfig())
+
+
+def test_sinusoidal_table_starts_at_the_token_embeddings_scale():
+    # Unscaled, the table would outweigh the N(0, 0.02) token embeddings ~35 to 1 at init.
+    positions = AddedPositions("sinusoidal", max_len=256, d_model=128, limit_key="block_size")
+    rms = positions.weight.square().mean().sqrt()
+    assert rms == pytest.approx(INIT_STD, rel=0.01)
+    torch.testing.assert_close(
+        positions.weight / (INIT_STD * math.sqrt(2)), sinusoidal_encoding(256, 128)
+    )

@@ -70,3 +70,17 @@ def config(run_dir: Path) -> dict:
             for item in record.config.update:
                 values[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return values
+
+
+def run_info(run_dir: Path) -> dict:
+    """The run's name, group, job type and tags, from its first run record."""
+    for record in records(run_file(run_dir)):
+        if record.WhichOneof("record_type") == "run":
+            run = record.run
+            return {
+                "name": run.display_name,
+                "group": run.run_group,
+                "job_type": run.job_type,
+                "tags": list(run.tags),
+            }
+    raise AssertionError(f"no run record in {run_file(run_dir)}")

@@ -1,0 +1,131 @@
+"""Training throughput of a config on this device, steady state, two ways in one run:
+
+(a) the real `python train.py ...` (Lightning, loggers, callbacks), reading the tokens/s it logs;
+(b) a minimal hand-written PyTorch loop over the same model, data, optimizer, gradient clipping
+    and precision;
+
+and the ratio a/b (the framework's overhead), plus model-FLOPs utilisation against this
+device's measured matmul peak. Arguments are train.py overrides:
+
+    python bench/train_throughput.py model.block_size=64 data.batch_size=12 trainer.max_steps=300
+
+(nanoGPT's CPU recipe: 4 layers, 4 heads, 128 wide, block 64, batch 12.)
+"""
+
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runs import median_after, train  # noqa: E402
+
+from data.lm import LMDataModule  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from model.module import OptimConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP_STEPS = 20
+
+
+def flops_per_token(model: GPT) -> float:
+    """Training FLOPs per token: 6 per weight (forward + backward) plus attention's
+    QKᵀ and AV, 12 · layers · block · width (as in the PaLM paper's appendix)."""
+    c = model.config
+    # Position embeddings are a lookup; the token embedding counts, as the tied output head.
+    weights = model.num_parameters(exclude_embeddings=True)
+    return 6 * weights + 12 * c.n_layer * c.block_size * c.n_embd
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
+    """FLOP/s of an n×n matmul in `dtype`, best of a few."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    best = math.inf
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype | None]:
+    """Median tokens/s of a plain loop: next batch, forward, backward, clip, AdamW, schedule."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    data: LMDataModule = instantiate(cfg.data, cache_dir=str(ROOT / ".cache" / "tinyformer"))
+    data.prepare_data()
+    data.setup()
+    model_config = instantiate(cfg.model)
+    model_config.vocab_size = data.vocab_size
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = GPT(model_config).to(device)
+    if cfg.compile:
+        model.compile()
+    optim = OptimConfig(**cfg.optim)
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2)
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s, steps))
+    precision = str(cfg.trainer.precision)
+    autocast_dtype = torch.bfloat16 if precision.startswith("bf16") else None
+    batches = iter(data.train_dataloader())
+    rates = []
+    for step in range(steps):
+        start = time.perf_counter()
+        x, y = (t.to(device, non_blocking=True) for t in next(batches))
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        else:
+            loss.item()
+        if step >= WARMUP_STEPS:
+            rates.append(x.numel() / (time.perf_counter() - start))
+    return statistics.median(rates), model, autocast_dtype
+
+
+def main(overrides: list[str]) -> None:
+    given = [int(o.split("=")[1]) for o in overrides if o.startswith("trainer.max_steps=")]
+    steps = given[-1] if given else 300
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device: {device}; torch {torch.__version__}; {torch.get_num_threads()} threads")
+    print(f"overrides: {' '.join(overrides) or '(defaults)'}\n")
+
+    run_dir = Path(tempfile.mkdtemp(prefix="bench_throughput_")) / "run"
+    _, rows = train(run_dir, *overrides, f"trainer.max_steps={steps}")
+    lightning = median_after(rows, "train/tokens_per_sec", WARMUP_STEPS // 10)
+    hand, model, dtype = hand_loop(overrides, steps)
+
+    per_token = flops_per_token(model)
+    peak = matmul_peak(device, dtype or torch.float32)
+    print("| path | tokens/s | model TFLOP/s | MFU (vs measured matmul peak) |")
+    print("|---|---|---|---|")
+    for name, rate in (("(a) train.py (Lightning)", lightning), ("(b) hand loop", hand)):
+        achieved = rate * per_token
+        print(f"| {name} | {rate:,.0f} | {achieved / 1e12:.3f} | {achieved / peak:.1%} |")
+    precision = "bf16" if dtype else "fp32"
+    print(
+        f"\n(a)/(b) = {lightning / hand:.3f}; {model.num_parameters() / 1e6:.2f}M parameters, "
+        f"{per_token / 1e6:.2f} MFLOP/token; {precision} matmul peak {peak / 1e12:.3f} TFLOP/s"
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,153 @@
+"""Sweeps: multirun grids, the Optuna search, the ablation experiments, the W&B Sweeps file and
+report.py, run through the real command line."""
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import report
+from test_cli import run_script
+from wandb_offline import history, run_info
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "data.batch_size=8",
+    "trainer.max_steps=12",
+    "trainer.val_check_interval=6",
+    "trainer.limit_val_batches=2",
+    "trainer.num_sanity_val_steps=0",
+    "callbacks.attention_maps.sample_length=16",
+    "sample.max_new_tokens=10",
+]
+EXPERIMENTS = ["ablation_scale", "ablation_heads", "ablation_position", "ablation_window"]
+EXPERIMENTS.append("ablation_kv_heads")
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_ablation_is_a_small_multirun_of_valid_models(experiment):
+    cfg = composed(f"experiment={experiment}")
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    assert cfg.hydra.sweep.dir.startswith(f"multirun/{experiment}/")
+    ((key, values),) = cfg.hydra.sweeper.params.items()
+    values = str(values).split(",")
+    assert 3 <= len(values) <= 5
+    assert len(values) * cfg.trainer.max_steps <= 3600  # about 10 minutes on 2 cores
+    for value in values:
+        job = composed(f"experiment={experiment}", f"{key}={value}")
+        instantiate(job.model)  # validates: a bad combination would raise here
+    assert len({composed(f"experiment={experiment}", f"{key}={v}").model for v in values}) == len(
+        values
+    )
+
+
+def test_wandb_sweep_file_drives_train_py_with_hydra_overrides():
+    sweep = yaml.safe_load((ROOT / "configs" / "wandb_sweep" / "attention.yaml").read_text())
+    assert (ROOT / sweep["program"]).is_file()
+    assert "${args_no_hyphens}" in sweep["command"] and "${args}" not in sweep["command"]
+    assert sweep["metric"] == {"name": "val/loss", "goal": "minimize"}
+    for key, spec in sweep["parameters"].items():
+        for value in spec.get("values", [spec.get("min"), spec.get("max")]):
+            cfg = composed(f"{key}={value}", *sweep["command"][4:])
+            instantiate(cfg.model)
+            assert cfg.logger.wandb.offline is False
+
+
+def test_report_on_a_directory_without_jobs_is_explained(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no \*/summary.json under .*train.py -m"):
+        report.report(tmp_path)
+    assert report.main([str(tmp_path)]) == 1
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sweep_cache")
+
+
+@pytest.mark.slow
+def test_grid_runs_every_job_and_reports_it(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sweep = tmp_path / "grid"
+    overrides = ["-m", "model.attention.n_head=2,4", *TINY, f"hydra.sweep.dir={sweep}"]
+    result = run_script("train.py", *overrides, cache_dir=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for job in (0, 1):
+        summary = json.loads((sweep / str(job) / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["steps"] == 12
+        assert f"model.attention.n_head={2 * job + 2}" in summary["overrides"]
+        # One offline W&B run per job, grouped by the sweep and tagged with its overrides.
+        info = run_info(sweep / str(job))
+        assert info["group"] == str(sweep)
+        assert f"model.attention.n_head={2 * job + 2}" in info["tags"]
+        assert info["name"].startswith(f"{job}: ")
+        assert [r["trainer/global_step"] for r in history(sweep / str(job)) if "val/loss" in r]
+
+    text = report.report(sweep, to_wandb=True)  # WANDB_MODE=offline (set below): a local run
+    rows = [
+        line for line in text.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")
+    ]
+    assert len(rows) == 2 and all("completed" in row for row in rows)
+    assert (sweep / "report.md").read_text() == text
+    for plot in ("val_loss.png", "loss_curves.png"):
+        assert (sweep / plot).stat().st_size > 10_000
+    (summary_run,) = [p for p in sweep.glob("wandb/offline-run-*") if p.is_dir()]
+    logged = {k for row in history(summary_run.parents[1]) for k in row}
+    assert {"sweep/table", "sweep/val_loss", "sweep/loss_curves"} <= logged
+
+
+@pytest.mark.slow
+def test_an_invalid_job_fails_alone_with_a_clear_message(tmp_path, cache):
+    sweep = tmp_path / "grid"
+    overrides = [
+        "-m",
+        "model.attention.n_head=3,4",
+        *TINY,
+        "logger=csv",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    result = run_script("train.py", *overrides, cache_dir=cache)
+    assert result.returncode == 1  # the sweep reports that a job failed...
+    message = "model.n_embd=32 is not divisible by model.attention.n_head=3"
+    assert "error: job 0 (" in result.stderr and message in result.stderr
+    failed = json.loads((sweep / "0" / "summary.json").read_text())
+    assert failed["status"] == "failed" and message in failed["error"]
+    done = json.loads((sweep / "1" / "summary.json").read_text())  # ...after the others ran
+    assert done["status"] == "completed" and (sweep / "1" / "checkpoints" / "last.ckpt").is_file()
+    text = report.report(sweep)
+    assert f"| 0 | 3 | failed: {message}" in text and "| 1 | 4 | completed |" in text
+
+
+@pytest.mark.slow
+def test_optuna_search_records_failed_and_best_trials(tmp_path, cache):
+    sweep = tmp_path / "search"
+    overrides = ["hparams_search=attention", "hydra.sweeper.n_trials=3", *TINY, "logger=csv"]
+    # Trial 0 is forced invalid (8 key/value heads for 1 query head); the search goes on.
+    overrides += ["hydra.sweeper.params.model.attention.n_head=choice(1)"]
+    overrides += ["hydra.sweeper.params.model.attention.n_kv_head=choice(1,8)"]
+    overrides += ["hydra.sweeper.sampler.seed=3", f"hydra.sweep.dir={sweep}"]
+    result = run_script("train.py", *overrides, cache_dir=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = optuna.load_study(study_name="attention", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    states = [trial.state.name for trial in study.trials]
+    assert len(states) == 3 and "COMPLETE" in states
+    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(3)]
+    for trial, summary in zip(study.trials, summaries, strict=True):
+        assert (trial.state.name == "FAIL") == (summary["status"] == "failed")
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    completed = [s["best_val_loss"] for s in summaries if s["status"] == "completed"]
+    assert best["best_value"] == pytest.approx(min(completed))
+    assert study.best_value == pytest.approx(min(completed))
+    assert "Best trial (Optuna)" in report.report(sweep)
