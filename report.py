@@ -29,6 +29,7 @@ COLUMNS = [
     ("tokens/s", "train/tokens_per_sec", "{:,.0f}"),
     ("attention entropy", "attention/entropy_mean", "{:.2f}"),
     ("wall s", "wall_seconds", "{:.0f}"),
+    ("s to 1st step", "seconds_to_first_step", "{:.1f}"),
 ]
 
 
@@ -119,20 +120,30 @@ def plot_loss_vs_values(jobs: list[dict], swept: list[str], path: Path) -> None:
 
 
 def plot_loss_curves(jobs: list[dict], swept: list[str], path: Path) -> None:
-    """Every completed job's val loss (solid) and train loss (faint) against the step."""
-    figure, ax = plt.subplots(figsize=(7, 4.2))
-    for job in (j for j in jobs if j["status"] == "completed"):
+    """Every completed job's val loss (solid) and train loss (faint), against the step and
+    against wall time since fitting started (what a budget in minutes buys)."""
+    done = [j for j in jobs if j["status"] == "completed"]
+    timed = any("time" in row for job in done for row in job.get("history", []))
+    xs = ("step", "time") if timed else ("step",)  # summaries before "time" was recorded
+    figure, axes = plt.subplots(1, len(xs), figsize=(6 * len(xs), 4.2), sharey=True, squeeze=False)
+    axes = axes[0]
+    for job in done:
         label = ", ".join(f"{k.split('.')[-1]}={shown(job['values'].get(k, ''))}" for k in swept)
         history = job.get("history", [])
-        train = [(r["step"], r["train/loss"]) for r in history if "train/loss" in r]
-        val = [(r["step"], r["val/loss"]) for r in history if "val/loss" in r]
-        (line,) = ax.plot(*zip(*val, strict=True), "o-", label=label or f"job {job.get('job')}")
-        if train:
-            ax.plot(*zip(*train, strict=True), color=line.get_color(), alpha=0.25, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (val solid, train faint)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        for ax, x in zip(axes, xs, strict=True):
+            train = [(r[x], r["train/loss"]) for r in history if "train/loss" in r and x in r]
+            val = [(r[x], r["val/loss"]) for r in history if "val/loss" in r and x in r]
+            if not val:
+                continue
+            (line,) = ax.plot(*zip(*val, strict=True), "o-", label=label or f"job {job.get('job')}")
+            if train:
+                ax.plot(*zip(*train, strict=True), color=line.get_color(), alpha=0.25, lw=1)
+    for ax, x in zip(axes, xs, strict=True):
+        ax.set_xlabel("seconds of training" if x == "time" else "step")
+    axes[0].set_ylabel("loss (val solid, train faint)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -173,9 +173,11 @@ def run_summary(trainer: L.Trainer, callbacks: list, started: float) -> dict:
         for key in ("train/loss", "val/loss", "val/bits_per_char", "val/cer"):
             summary[key] = history.last(key)
         summary["train/tokens_per_sec"] = history.median("train/tokens_per_sec")
+        summary["seconds_to_first_step"] = history.first_step_seconds
         summary["history"] = history.rows
     if maps is not None:
         summary["attention/entropy_mean"] = maps.last_metrics.get("attention/entropy_mean")
+        summary["attention_maps_seconds"] = maps.seconds
     return summary
 
 
@@ -233,7 +235,10 @@ def train(cfg: DictConfig) -> float | None:
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
 
     if trainer.is_global_zero:
-        write_summary(cfg.paths.output_dir, run_summary(trainer, callbacks, started))
+        summary = run_summary(trainer, callbacks, started)
+        write_summary(cfg.paths.output_dir, summary)
+        if summary.get("seconds_to_first_step"):
+            print(f"first optimizer step {summary['seconds_to_first_step']:.1f} s after start")
         print_summary(trainer, cfg, datamodule)
     if any(isinstance(logger, WandbLogger) for logger in loggers):
         wandb.finish()  # a multirun's next job must not log into this run

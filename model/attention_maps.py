@@ -8,6 +8,7 @@ much wider than ~1, softmax is close to one-hot and its gradients vanish.
 """
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +143,7 @@ class AttentionMapLogger(L.Callback):
         self.out_dir = Path(out_dir) if out_dir else None
         self._last_logged_step = -1
         self.last_metrics: dict[str, float] = {}  # the statistics of the latest maps
+        self.seconds = 0.0  # spent drawing and logging maps: their cost to the run
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step % self.every_n_steps == 0:
@@ -155,6 +157,7 @@ class AttentionMapLogger(L.Callback):
         if step == self._last_logged_step or not trainer.is_global_zero:
             return
         self._last_logged_step = step
+        started = time.perf_counter()
         run, labels_for = pl_module.attention_sample(trainer.datamodule, self.sample_length)
         was_training = pl_module.training
         pl_module.eval()
@@ -163,6 +166,7 @@ class AttentionMapLogger(L.Callback):
         finally:
             pl_module.train(was_training)
         self._publish(trainer, records, labels_for, step)
+        self.seconds += time.perf_counter() - started
 
     def _publish(
         self,

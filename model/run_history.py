@@ -1,24 +1,50 @@
 """A callback that keeps the values a run logs, whatever its loggers, so the run can write its own
 summary (train.py's summary.json) for sweep reports to read without any logging service."""
 
+import os
 import statistics
+import time
 
 import lightning as L
 
 
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started, interpreter start-up and imports included
+    (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Fields after the parenthesised command name; starttime is field 22 overall.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 class RunHistory(L.Callback):
-    """Rows of {"step", "train/...": value} every `trainer.log_every_n_steps` steps and of
-    {"step", "val/...": value} after every validation (sanity checks excluded)."""
+    """Rows of {"step", "time", "train/...": value} every `trainer.log_every_n_steps` steps and
+    of {"step", "time", "val/...": value} after every validation (sanity checks excluded);
+    "time" is wall seconds since fitting started. Also the seconds from process start to the
+    end of the first optimizer step: the start-up cost a user waits through."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
+        self.first_step_seconds: float | None = None
+        self._fit_start = time.perf_counter()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._fit_start = time.perf_counter()
 
     def _record(self, trainer: L.Trainer, prefix: str) -> None:
         values = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
         if values:
-            self.rows.append({"step": trainer.global_step, **values})
+            elapsed = time.perf_counter() - self._fit_start
+            self.rows.append({"step": trainer.global_step, "time": elapsed, **values})
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if self.first_step_seconds is None:
+            self.first_step_seconds = seconds_since_process_start()
         if trainer.global_step % trainer.log_every_n_steps == 0:
             self._record(trainer, "train/")
 
