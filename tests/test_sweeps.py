@@ -105,7 +105,9 @@ def test_grid_runs_every_job_and_reports_it(tmp_path, cache, monkeypatch):
         assert (sweep / plot).stat().st_size > 10_000
     (summary_run,) = [p for p in sweep.glob("wandb/offline-run-*") if p.is_dir()]
     logged = {k for row in history(summary_run.parents[1]) for k in row}
-    assert {"sweep/table", "sweep/val_loss", "sweep/loss_curves"} <= logged
+    for name in ("sweep/table", "sweep/val_loss", "sweep/loss_curves"):
+        assert any(key.startswith(name) for key in logged), (name, logged)
+    assert list(summary_run.glob("files/media/table/sweep/table_*.table.json"))
 
 
 @pytest.mark.slow
@@ -134,15 +136,15 @@ def test_an_invalid_job_fails_alone_with_a_clear_message(tmp_path, cache):
 def test_optuna_search_records_failed_and_best_trials(tmp_path, cache):
     sweep = tmp_path / "search"
     overrides = ["hparams_search=attention", "hydra.sweeper.n_trials=3", *TINY, "logger=csv"]
-    # Trial 0 is forced invalid (8 key/value heads for 1 query head); the search goes on.
-    overrides += ["hydra.sweeper.params.model.attention.n_head=choice(1)"]
-    overrides += ["hydra.sweeper.params.model.attention.n_kv_head=choice(1,8)"]
+    # Half the space is invalid (8 key/value heads for 1 query head): those trials fail, and
+    # the search goes on.
+    overrides += ["model.attention.n_head=1", "model.attention.n_kv_head=choice(1,8)"]
     overrides += ["hydra.sweeper.sampler.seed=3", f"hydra.sweep.dir={sweep}"]
     result = run_script("train.py", *overrides, cache_dir=cache)
     assert result.returncode == 0, result.stderr[-3000:]
     study = optuna.load_study(study_name="attention", storage=f"sqlite:///{sweep / 'optuna.db'}")
     states = [trial.state.name for trial in study.trials]
-    assert len(states) == 3 and "COMPLETE" in states
+    assert len(states) == 3 and {"COMPLETE", "FAIL"} <= set(states)
     summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(3)]
     for trial, summary in zip(study.trials, summaries, strict=True):
         assert (trial.state.name == "FAIL") == (summary["status"] == "failed")
