@@ -13,6 +13,7 @@ device's measured matmul peak. Arguments are train.py overrides:
 """
 
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -63,7 +64,8 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
     """Median tokens/s of a plain loop: next batch, forward, backward, clip, AdamW, schedule."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    data: LMDataModule = instantiate(cfg.data, cache_dir=str(ROOT / ".cache" / "tinyformer"))
+    cache_dir = os.environ.get("TINYFORMER_CACHE", str(ROOT / ".cache" / "tinyformer"))
+    data: LMDataModule = instantiate(cfg.data, cache_dir=cache_dir)
     data.prepare_data()
     data.setup()
     model_config = instantiate(cfg.model)
