@@ -156,7 +156,8 @@ def sweep_run_names(node: DictConfig) -> dict:
 def write_summary(output_dir: str, summary: dict) -> None:
     """<run dir>/summary.json: how the run went, for report.py and for people."""
     job = HydraConfig.get()
-    summary = {"overrides": list(job.overrides.task), "job": job.job.num, **summary}
+    number = None if OmegaConf.is_missing(job.job, "num") else job.job.num  # set in sweeps only
+    summary = {"overrides": list(job.overrides.task), "job": number, **summary}
     path = Path(output_dir) / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))

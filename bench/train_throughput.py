@@ -45,8 +45,10 @@ def flops_per_token(model: GPT) -> float:
     return 6 * weights + 12 * c.n_layer * c.block_size * c.n_embd
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
-    """FLOP/s of an n×n matmul in `dtype`, best of a few."""
+def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul in `dtype`, best of a few: the device's practical peak
+    (8192² on a GPU, whose smaller matmuls do not fill it; 2048² on a CPU)."""
+    n = 8192 if device.type == "cuda" else 2048
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     best = math.inf
     for _ in range(5):
