@@ -85,9 +85,11 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
     precision = str(cfg.trainer.precision)
     autocast_dtype = torch.bfloat16 if precision.startswith("bf16") else None
     batches = iter(data.train_dataloader())
-    rates = []
+    # The same statistic train.py logs: tokens over windows of log_every_n_steps steps, from
+    # one step's end to another's, and the median window.
+    window = cfg.trainer.log_every_n_steps
+    rates, window_start = [], None
     for step in range(steps):
-        start = time.perf_counter()
         x, y = (t.to(device, non_blocking=True) for t in next(batches))
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             _, loss = model(x, y)
@@ -100,8 +102,12 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
             torch.cuda.synchronize()
         else:
             loss.item()
-        if step >= WARMUP_STEPS:
-            rates.append(x.numel() / (time.perf_counter() - start))
+        if step == WARMUP_STEPS:
+            window_start = time.perf_counter()
+        elif step > WARMUP_STEPS and (step - WARMUP_STEPS) % window == 0:
+            now = time.perf_counter()
+            rates.append(window * x.numel() / (now - window_start))
+            window_start = now
     return statistics.median(rates), model, autocast_dtype
 
 

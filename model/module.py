@@ -76,7 +76,8 @@ class TrainingModule(L.LightningModule):
         self.tokenizer = tokenizer_from_dict(tokenizer)
         self.optim = OptimConfig(**optim)
         self.val_loss = MeanMetric()
-        self._last_batch_end: float | None = None
+        self._window_start: float | None = None  # when the current throughput window began
+        self._window_tokens = 0
 
     def loss(self, batch) -> tuple[Tensor, Tensor, int]:
         """(loss, logits, number of real tokens in the batch)."""
@@ -89,20 +90,27 @@ class TrainingModule(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss, _, tokens = self.loss(batch)
         self._batch_tokens = tokens
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the mean over ranks
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+        # Only the steps whose values reach the loggers log: on a small model, logging every
+        # step costs several percent of the step time.
+        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+            self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the mean over ranks
+            self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        # Wall time between consecutive steps: data loading, forward, backward, optimizer.
+        # Throughput over the steps since the last log, from one step's end to another's: data
+        # loading, forward, backward, optimizer and callbacks, on every rank together.
         now = time.perf_counter()
-        if self._last_batch_end is not None:
-            tokens = self._batch_tokens * self.trainer.world_size
-            self.log("train/tokens_per_sec", tokens / (now - self._last_batch_end))
-        self._last_batch_end = now
+        if self._window_start is None:
+            self._window_start, self._window_tokens = now, 0
+            return
+        self._window_tokens += self._batch_tokens * self.trainer.world_size
+        if self.global_step % self.trainer.log_every_n_steps == 0:
+            self.log("train/tokens_per_sec", self._window_tokens / (now - self._window_start))
+            self._window_start, self._window_tokens = now, 0
 
     def on_validation_start(self) -> None:
-        self._last_batch_end = None  # validation time is not training throughput
+        self._window_start = None  # validation time is not training throughput
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, _, tokens = self.loss(batch)
