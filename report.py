@@ -46,6 +46,8 @@ def load_jobs(sweep_dir: Path) -> list[dict]:
         job = json.loads(path.read_text())
         job["dir"] = path.parent
         job["values"] = dict(o.split("=", 1) for o in job.get("overrides", []) if "=" in o)
+        if job.get("job") is None:  # a single run's summary: name it by its directory
+            job["job"] = path.parent.name
         jobs.append(job)
     return jobs
 
@@ -81,7 +83,7 @@ def markdown_table(jobs: list[dict], swept: list[str]) -> str:
     for job in jobs:
         status = job["status"] if job["status"] != "failed" else f"failed: {job.get('error', '')}"
         values = (shown(job["values"].get(k, "")) for k in swept)
-        row = [str(job.get("job", job["dir"].name)), *values]
+        row = [str(job["job"]), *values]
         row += [status.replace("|", "/"), *(cell(job, key, fmt) for _, key, fmt in COLUMNS)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -135,7 +137,7 @@ def plot_loss_curves(jobs: list[dict], swept: list[str], path: Path) -> None:
             val = [(r[x], r["val/loss"]) for r in history if "val/loss" in r and x in r]
             if not val:
                 continue
-            (line,) = ax.plot(*zip(*val, strict=True), "o-", label=label or f"job {job.get('job')}")
+            (line,) = ax.plot(*zip(*val, strict=True), "o-", label=label or f"job {job['job']}")
             if train:
                 ax.plot(*zip(*train, strict=True), color=line.get_color(), alpha=0.25, lw=1)
     for ax, x in zip(axes, xs, strict=True):
