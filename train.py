@@ -61,14 +61,17 @@ def instantiate_checked(node: DictConfig, **kwargs):
         return instantiate(node, **kwargs)
     except InstantiationException as error:
         cause = error.__cause__
-        if isinstance(cause, ValueError | FileNotFoundError):
+        if isinstance(cause, USER_ERRORS):
             raise cause from None
         raise
 
 
 # The data each kind of model trains on, and the choices that provide it.
 DATA_FOR = {
-    LanguageModelModule: (LMDataModule, "data=shakespeare_char"),
+    LanguageModelModule: (
+        LMDataModule,
+        "data=shakespeare_char, data=shakespeare_bpe, data=text_files or data=hub",
+    ),
     Seq2SeqModule: (
         Seq2SeqDataModule,
         "data=shakespeare_denoise, data=shakespeare_next_line or data=pairs",

@@ -103,6 +103,7 @@ def test_model_and_data_kinds_must_match(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "error: model=gpt cannot train on data=shakespeare_denoise: use data=shakespeare_char"
+        "error: model=gpt cannot train on data=shakespeare_denoise: use data=shakespeare_char, "
+        "data=shakespeare_bpe, data=text_files or data=hub"
     ]
     assert not (tmp_path / "cache").exists()
