@@ -79,7 +79,10 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
         model.compile()
     optim = OptimConfig(**cfg.optim)
     optimizer = torch.optim.AdamW(
-        model.optimizer_groups(optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2)
+        model.optimizer_groups(optim.weight_decay),
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        fused=True,  # as train.py's
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s, steps))
     precision = str(cfg.trainer.precision)
