@@ -186,16 +186,27 @@ def load_text_files(
         if builder is None:
             known = ", ".join(TEXT_BUILDERS)
             raise ValueError(f"data.paths: {f} has an unsupported extension; use one of {known}")
+        if not f.read_bytes().strip():
+            continue  # an empty file holds no document (and `datasets` cannot type its rows)
         options = {"sample_by": "paragraph"} if builder == "text" else {}
-        ds = datasets.load_dataset(
-            builder,
-            data_files=[str(f)],
-            split="train",
-            streaming=streaming,
-            cache_dir=str(Path(cache_dir) / "hf"),
-            **options,
-        )
+        try:
+            ds = datasets.load_dataset(
+                builder,
+                data_files=[str(f)],
+                split="train",
+                streaming=streaming,
+                cache_dir=str(Path(cache_dir) / "hf"),
+                **options,
+            )
+        except datasets.exceptions.DatasetGenerationError as error:
+            raise ValueError(
+                f"data.paths: cannot read {f} ({error.__cause__ or error}); check that it is "
+                "UTF-8 text, or JSON Lines with one object per line"
+            ) from error
         parts.append(_with_text_column(ds, "text" if builder == "text" else text_column, str(f)))
+    if not parts:
+        shown = ", ".join(str(f) for f in files)
+        raise ValueError(f"data.paths: every file is empty ({shown}); point it at some text")
     return datasets.concatenate_datasets(parts)
 
 

@@ -97,6 +97,18 @@ def test_text_files_errors_name_the_value_and_the_fix(corpus, tmp_path, paths, e
     assert not list(tmp_path.glob("lm/*/meta.json"))  # nothing half-built is left as an entry
 
 
+def test_empty_and_broken_files(corpus, tmp_path):
+    (corpus / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match=r"data.paths: every file is empty \(.*empty.txt\)"):
+        prepared(source="text_files", paths=[str(corpus / "empty.txt")], cache_dir=tmp_path)
+    # Empty files beside real ones are skipped: they hold no document.
+    module = prepared(source="text_files", paths=[str(corpus / "*.txt")], cache_dir=tmp_path)
+    assert "Paragraph 0 " in split_text(module, "train")
+    (corpus / "broken.jsonl").write_text('{"text": "fine"}\nnot json at all\n')
+    with pytest.raises(ValueError, match=r"data.paths: cannot read .*broken.jsonl \(.*JSON Lines"):
+        prepared(source="text_files", paths=[str(corpus / "broken.jsonl")], cache_dir=tmp_path)
+
+
 def test_too_few_documents_for_a_val_split(tmp_path):
     (tmp_path / "one.txt").write_text("A single paragraph, so nothing is left for validation.")
     with pytest.raises(
