@@ -20,7 +20,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
@@ -244,8 +243,6 @@ def train(cfg: DictConfig) -> float | None:
         if summary.get("seconds_to_first_step"):
             print(f"first optimizer step {summary['seconds_to_first_step']:.1f} s after start")
         print_summary(trainer, cfg, datamodule)
-    if any(isinstance(logger, WandbLogger) for logger in loggers):
-        wandb.finish()  # a multirun's next job must not log into this run
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     if score is None:
         score = trainer.callback_metrics.get("val/loss")
@@ -268,15 +265,17 @@ def train_sweep_job(cfg: DictConfig) -> float | None:
         print(f"error: {message}", file=sys.stderr)
         write_summary(cfg.paths.output_dir, {"status": "failed", "error": str(error)})
         raise JobFailed(message) from None
-    finally:
-        wandb.finish()  # a failed job's run must not swallow the next job's logging
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    if in_sweep():
-        return train_sweep_job(cfg)
-    return exit_on_user_error(lambda: train(cfg))
+    try:
+        if in_sweep():
+            return train_sweep_job(cfg)
+        return exit_on_user_error(lambda: train(cfg))
+    finally:
+        # Every job ends its W&B run, failed or not: a sweep's next job must not log into it.
+        wandb.finish()
 
 
 if __name__ == "__main__":
