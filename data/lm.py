@@ -81,17 +81,21 @@ class LMDataConfig:
             raise ValueError(f"data.text_column must be a column name, got {self.text_column!r}")
         # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
         self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
-        wants = {"text_files": ("paths", "data=text_files 'data.paths=[corpus/*.txt]'")}
-        wants["hub"] = ("name", "data=hub data.name=NAME")
-        for source, (key, example) in wants.items():
-            given = bool(getattr(self, key))
-            if given != (self.source == source):
-                needs = f"source={source} needs data.{key}" if not given else ""
-                only = f"data.{key} is only read by source={source}" if given else ""
-                raise ValueError(
-                    f"{needs or only}, got source={self.source} and {key}={getattr(self, key)!r}; "
-                    f"e.g. {example}"
-                )
+        # Each source's own key: required by that source, and meaningless to the others.
+        for source, key, example in (
+            ("text_files", "paths", "data=text_files 'data.paths=[corpus/*.txt]'"),
+            ("hub", "name", "data=hub data.name=NAME"),
+        ):
+            value = getattr(self, key)
+            if self.source == source and not value:
+                problem = f"source={source} needs data.{key}"
+            elif self.source != source and value:
+                problem = f"data.{key} is only read by source={source}"
+            else:
+                continue
+            raise ValueError(
+                f"{problem}, got source={self.source} and {key}={value!r}; e.g. {example}"
+            )
         if self.config is not None and self.source != "hub":
             raise ValueError(f"data.config is only read by source=hub, got {self.config!r}")
         if self.tokenizer_file is not None and not Path(self.tokenizer_file).is_file():
