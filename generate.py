@@ -7,7 +7,6 @@ The checkpoint carries the model config and the tokenizer, so it needs nothing e
 """
 
 import os
-import pickle
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import tokenizer_from_dict
 from model.attention_maps import plot_heads, record_attention
+from model.checkpoint_io import load_safely
 from model.encdec import EncoderDecoder
 from model.generation import beam_search, decode_greedy_or_sample, decoding_ids, generate
 from model.gpt import GPT
@@ -32,14 +32,17 @@ T = TypeVar("T")
 USER_ERRORS = (ValueError, FileNotFoundError)
 
 
-def exit_on_user_error(action: Callable[[], T]) -> T:
-    """Run action; an error the user can fix is printed on one line and exits with status 1.
+def exit_on_user_error(
+    action: Callable[[], T], errors: tuple[type[Exception], ...] = USER_ERRORS
+) -> T:
+    """Run action; an error of `errors` (one the user can fix) is printed on one line and exits
+    with status 1.
 
     HYDRA_FULL_ERROR=1 shows the traceback instead, as it does for Hydra's own errors.
     """
     try:
         return action()
-    except USER_ERRORS as error:
+    except errors as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {error}", file=sys.stderr)
@@ -70,22 +73,30 @@ def resolve_checkpoint(path: str) -> Path:
 def load_checkpoint(path: Path):
     """(model in eval mode, tokenizer, hyper_parameters) from a training checkpoint.
 
-    weights_only=True: a checkpoint holds tensors and plain data, never code to run.
+    load_safely: a checkpoint holds tensors and plain data, never code to run.
     """
+    checkpoint = load_safely(path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         hparams = checkpoint["hyper_parameters"]
         state = checkpoint["state_dict"]
         model = build_model(hparams.get("kind", "gpt"), hparams["model"])
         tokenizer = tokenizer_from_dict(hparams["tokenizer"])
-    except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, TypeError) as error:
+    except (KeyError, TypeError) as error:
         raise ValueError(
-            f"{path} is not a readable tinyformer checkpoint ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else 'truncated or foreign file'}); "
-            "point ckpt= at a .ckpt written by train.py"
+            f"{path} is not a tinyformer checkpoint (no {error}); point ckpt= at a .ckpt "
+            "written by train.py"
         ) from error
-    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    model.load_state_dict(model_state(state))
     return model.eval(), tokenizer, hparams
+
+
+def model_state(state: dict) -> dict:
+    """The network's weights from a LightningModule state dict, whether or not the model was
+    compiled: torch.compile's wrapper adds `_orig_mod.` to every key (compiling in place, as
+    train.py does, adds nothing), and a plain model loads either."""
+    return {
+        key.removeprefix("model.").replace("_orig_mod.", ""): value for key, value in state.items()
+    }
 
 
 @dataclass

@@ -8,6 +8,7 @@ and returns the best validation loss so that Hydra sweepers can minimise it.
 import dataclasses
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,10 +17,13 @@ import hydra
 import lightning as L
 import torch
 import wandb
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
@@ -33,15 +37,22 @@ from generate import (
     stream_samples,
 )
 from model.attention_maps import AttentionMapLogger
+from model.checkpoint_io import DurableCheckpointIO, load_safely
 from model.encdec import EncoderDecoder
 from model.module import (
+    NONFINITE_ACTIONS,
     LanguageModelModule,
     OptimConfig,
     Seq2SeqModule,
+    TrainingDiverged,
     greedy_decodes,
     module_for,
 )
+from model.resume import ResumeState, StopSignals
 from model.run_history import RunHistory
+
+# Errors that end a run with a one-line message: the user's (config, files) and a diverged run.
+TRAIN_ERRORS = (*USER_ERRORS, MisconfigurationException, TrainingDiverged)
 
 
 def sqlite_url(path: str) -> str:
@@ -51,7 +62,35 @@ def sqlite_url(path: str) -> str:
     return f"sqlite:///{Path(path).resolve()}"
 
 
+def resume_run_dir(ckpt_path: str | None, new_run_dir: str) -> str:
+    """hydra.run.dir: a run resumed from a run directory, or from a file in its checkpoints/,
+    continues in that directory; any other run gets a new one."""
+    if ckpt_path is None or ckpt_path == "last":
+        return new_run_dir
+    path = Path(ckpt_path).expanduser()
+    if (path / "checkpoints").is_dir():
+        return str(path)
+    if path.is_file() and path.parent.name == "checkpoints":
+        return str(path.parent.parent)
+    return new_run_dir
+
+
+def hydra_record_dir(output_dir: str) -> str:
+    """hydra.output_subdir: .hydra, or .hydra/resume-N for a run resumed in its own directory,
+    so the record of how the run was first started is never overwritten."""
+    record = Path(output_dir) / ".hydra"
+    if not (record / "config.yaml").exists():
+        return ".hydra"
+    number = 1
+    while (record / f"resume-{number}").exists():
+        number += 1
+    return f".hydra/resume-{number}"
+
+
 OmegaConf.register_new_resolver("sqlite_url", sqlite_url)
+OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir)
+# Cached: Hydra reads the value more than once, and it must not change once the record is written.
+OmegaConf.register_new_resolver("hydra_record_dir", hydra_record_dir, use_cache=True)
 
 
 def instantiate_checked(node: DictConfig, **kwargs):
@@ -121,12 +160,113 @@ def describe_baseline(datamodule) -> str:
     )
 
 
-def checkpoint_tokenizer(ckpt_path: str) -> dict:
-    """The tokenizer a checkpoint was trained with, so a resumed run keeps its token ids."""
-    if not Path(ckpt_path).is_file():
-        raise FileNotFoundError(f"ckpt_path: no checkpoint at {ckpt_path}; check the path")
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    return checkpoint["hyper_parameters"]["tokenizer"]
+def find_checkpoint(ckpt_path: str, output_dir: str) -> Path | None:
+    """The checkpoint `ckpt_path` names: `last` is this run directory's checkpoints/last.ckpt
+    (None when there is none yet: the run starts afresh), a directory its last.ckpt, a file
+    itself."""
+    if ckpt_path == "last":
+        last = Path(output_dir) / "checkpoints" / "last.ckpt"
+        return last if last.is_file() else None
+    path = Path(ckpt_path).expanduser()
+    if path.is_dir():
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"ckpt_path={ckpt_path}: no checkpoint at {path}; give a run directory, a .ckpt "
+            "file, or ckpt_path=last with hydra.run.dir=<run dir>"
+        )
+    return path
+
+
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def resumed_overrides(original: list[str], given: list[str]) -> list[str]:
+    """The overrides a resumed run composes: the checkpoint's run's, then this command's, which
+    win where both set a key."""
+    keys = {override_key(o) for o in given}
+    return [o for o in original if override_key(o) not in keys] + list(given)
+
+
+# Settings a resumed run may not change: they decide what the restored state means.
+FIXED_ON_RESUME = ("model.", "data.", "seed", "optim.beta1", "optim.beta2", "optim.weight_decay")
+FREE_ON_RESUME = ("model.vocab_size", "data.num_workers", "data.num_proc", "data.cache_dir")
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+    """'key: saved -> current' for every fixed setting this run changes."""
+    saved, current = flatten(saved), flatten(current)
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"
+        for key in keys
+        if key.startswith(FIXED_ON_RESUME)
+        and not key.startswith(FREE_ON_RESUME)
+        and saved.get(key) != current.get(key)
+    ]
+
+
+def prepare_resume(cfg: DictConfig) -> tuple[DictConfig, Path | None, dict | None, list[str]]:
+    """(config, checkpoint path, checkpoint, overrides) of a run. Given ckpt_path, the config
+    is composed again from the checkpoint's run's overrides under this command's, and must keep
+    the settings that the checkpoint's state depends on."""
+    given = [o for o in HydraConfig.get().overrides.task if override_key(o) != "ckpt_path"]
+    if not cfg.get("ckpt_path"):
+        return cfg, None, None, given
+    path = find_checkpoint(cfg.ckpt_path, cfg.paths.output_dir)
+    if path is None:
+        print(
+            f"ckpt_path=last: no checkpoint in {cfg.paths.output_dir}/checkpoints yet, so this "
+            "run starts from scratch (to continue another run, give its directory: "
+            "ckpt_path=outputs/<date>/<time>)"
+        )
+        return cfg, None, None, given
+    checkpoint = load_safely(path)
+    saved = checkpoint.get("hyper_parameters", {}).get("run_config")
+    if saved is None:
+        raise ValueError(f"ckpt_path={path} was not written by train.py: it has no run config")
+    overrides = resumed_overrides(saved.get("overrides", []), given)
+    if overrides != given:
+        cfg = compose("train", overrides=[*overrides, f"ckpt_path={path}"])
+    else:
+        cfg.ckpt_path = str(path)
+    current = OmegaConf.to_container(cfg, resolve=True)
+    conflicts = resume_conflicts(saved, current)
+    if conflicts:
+        raise ValueError(
+            f"ckpt_path={path} cannot resume with changed settings ({'; '.join(conflicts[:4])}"
+            f"{'; ...' if len(conflicts) > 4 else ''}): drop those overrides, or start a new "
+            "run without ckpt_path"
+        )
+    print(
+        f"resuming from {path} at step {checkpoint['global_step']}"
+        + (f" with that run's overrides: {' '.join(overrides)}" if overrides else "")
+    )
+    return cfg, path, checkpoint, overrides
+
+
+def wandb_resume_options(node: DictConfig, checkpoint: dict | None) -> dict:
+    """For a W&B logger of a resumed run: online, continue the checkpoint's W&B run (same id);
+    offline (where W&B cannot continue a run), a new run in the same group."""
+    if checkpoint is None or not node.get("_target_", "").endswith("WandbLogger"):
+        return {}
+    state = checkpoint.get("callbacks", {}).get("ResumeState", {}).get("wandb")
+    if state is None:
+        return {}
+    if node.get("offline"):
+        return {"group": node.get("group") or state["group"]}
+    return {"id": state["id"], "resume": "must"}
 
 
 def check_not_ddp_in_multirun(trainer: L.Trainer) -> None:
@@ -184,23 +324,57 @@ def run_summary(trainer: L.Trainer, callbacks: list, started: float) -> dict:
     return summary
 
 
+def check_run_options(cfg: DictConfig) -> None:
+    """The top-level options that no dataclass validates."""
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
+        raise ValueError(f"seed must be an integer, got {cfg.seed!r}")
+    if not isinstance(cfg.compile, bool):
+        raise ValueError(f"compile must be true or false, got {cfg.compile!r}")
+    if cfg.on_nonfinite not in NONFINITE_ACTIONS:
+        raise ValueError(
+            f"on_nonfinite={cfg.on_nonfinite!r} is not one of {', '.join(NONFINITE_ACTIONS)}"
+        )
+    steps = cfg.trainer.get("max_steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(
+            f"trainer.max_steps must be a positive integer (the schedule needs a length), "
+            f"got {steps!r}"
+        )
+
+
 def train(cfg: DictConfig) -> float | None:
     started = time.perf_counter()
     # Everything a user can get wrong in the config is checked before any data is loaded.
+    cfg, ckpt_path, checkpoint, overrides = prepare_resume(cfg)
+    check_run_options(cfg)
     optim = OptimConfig(**cfg.optim)
     SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True))
     model_config = instantiate_checked(cfg.model)
     datamodule = instantiate_checked(cfg.data)
     module_class = module_for(model_config)
     check_model_fits_data(module_class, datamodule)
-    if not isinstance(cfg.compile, bool):
-        raise ValueError(f"compile must be true or false, got {cfg.compile!r}")
-    resumed_tokenizer = checkpoint_tokenizer(cfg.ckpt_path) if cfg.get("ckpt_path") else None
+    resumed_tokenizer = None
+    if checkpoint is not None:
+        saved_kind = checkpoint["hyper_parameters"].get("kind")
+        if saved_kind != module_class.kind:
+            raise ValueError(
+                f"ckpt_path={ckpt_path} holds a {saved_kind} model and this run trains a "
+                f"{module_class.kind}: drop model=... to resume it, or start a new run"
+            )
+        resumed_tokenizer = checkpoint["hyper_parameters"]["tokenizer"]
+    stop = StopSignals()
     callbacks = [instantiate_checked(c) for c in (cfg.get("callbacks") or {}).values()]
+    callbacks += [ResumeState(), stop]
     loggers = [
-        instantiate_checked(c, **sweep_run_names(c)) for c in (cfg.get("logger") or {}).values()
+        instantiate_checked(c, **sweep_run_names(c), **wandb_resume_options(c, checkpoint))
+        for c in (cfg.get("logger") or {}).values()
     ]
-    trainer = instantiate_checked(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer = instantiate_checked(
+        cfg.trainer,
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=[DurableCheckpointIO()],
+    )
     check_not_ddp_in_multirun(trainer)
     L.seed_everything(cfg.seed, workers=True)
 
@@ -213,17 +387,24 @@ def train(cfg: DictConfig) -> float | None:
     tokenizer = datamodule.tokenizer
     if resumed_tokenizer is not None and tokenizer.to_dict() != resumed_tokenizer:
         raise ValueError(
-            f"ckpt_path={cfg.ckpt_path} was trained with another tokenizer than this data "
+            f"ckpt_path={ckpt_path} was trained with another tokenizer than this data "
             "gives; resume with the data options of that run"
         )
     model_config = dataclasses.replace(model_config, vocab_size=datamodule.vocab_size)
     run_config = OmegaConf.to_container(cfg, resolve=True)
     run_config["model"]["vocab_size"] = datamodule.vocab_size
+    run_config["overrides"] = overrides  # what a resumed run composes its config from
+    if checkpoint is not None:
+        run_config["resumed_from"] = {
+            "checkpoint": str(ckpt_path),
+            "step": checkpoint["global_step"],
+        }
     module = module_class(
         model=model_config.to_dict(),
         optim=dataclasses.asdict(optim),
         tokenizer=tokenizer.to_dict(),
         run_config=run_config,
+        on_nonfinite=cfg.on_nonfinite,
     )
     if cfg.compile:
         module.model.compile()  # in place: the state dict keeps its keys, checkpoints load as ever
@@ -235,7 +416,17 @@ def train(cfg: DictConfig) -> float | None:
         )
     for logger in loggers:
         logger.log_hyperparams(run_config)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    except SIGTERMException:
+        end_stopped_run(trainer, cfg, callbacks, started, stop)
+    except TrainingDiverged as error:
+        if trainer.is_global_zero:
+            summary = run_summary(trainer, callbacks, started)
+            write_summary(
+                cfg.paths.output_dir, {**summary, "status": "diverged", "error": str(error)}
+            )
+        raise
 
     if trainer.is_global_zero:
         summary = run_summary(trainer, callbacks, started)
@@ -249,6 +440,24 @@ def train(cfg: DictConfig) -> float | None:
     return None if score is None else float(score)
 
 
+def end_stopped_run(
+    trainer: L.Trainer, cfg: DictConfig, callbacks: list, started: float, stop: StopSignals
+) -> None:
+    """A run stopped by SIGTERM or SIGINT: summary, how to continue, and the exit status a shell
+    gives a process that signal ended (128 + signal number), so job schedulers see it."""
+    name = signal.Signals(stop.signum).name
+    if trainer.is_global_zero:
+        summary = run_summary(trainer, callbacks, started)
+        write_summary(cfg.paths.output_dir, {**summary, "status": f"stopped by {name}"})
+        saved = f"saved {stop.saved}" if stop.saved else "no checkpoint callback, nothing saved"
+        print(
+            f"stopped by {name} after step {trainer.global_step}; {saved}; continue with: "
+            f"python train.py ckpt_path={cfg.paths.output_dir}",
+            file=sys.stderr,
+        )
+    sys.exit(128 + stop.signum)
+
+
 class JobFailed(Exception):
     """A sweep job that the user's config broke."""
 
@@ -259,7 +468,7 @@ def train_sweep_job(cfg: DictConfig) -> float | None:
     which records it (Optuna marks the trial failed) while the other jobs run on."""
     try:
         return train(cfg)
-    except USER_ERRORS as error:
+    except TRAIN_ERRORS as error:
         job = HydraConfig.get().job
         message = f"job {job.num} ({job.override_dirname}): {error}"
         print(f"error: {message}", file=sys.stderr)
@@ -272,7 +481,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         if in_sweep():
             return train_sweep_job(cfg)
-        return exit_on_user_error(lambda: train(cfg))
+        return exit_on_user_error(lambda: train(cfg), TRAIN_ERRORS)
     finally:
         # Every job ends its W&B run, failed or not: a sweep's next job must not log into it.
         wandb.finish()

@@ -5,7 +5,9 @@
     and precision;
 
 and the ratio a/b (the framework's overhead), plus model-FLOPs utilisation against this
-device's measured matmul peak. Arguments are train.py overrides:
+device's measured matmul peak. Arguments are train.py overrides, and `--repeats=N` (default 3):
+the two paths run N times each, in alternating order (ab, ba, ab, ...) so that a shared
+machine's drift falls on both alike, and the median of the N paired ratios is reported.
 
     python bench/train_throughput.py model.block_size=64 data.batch_size=12 trainer.max_steps=300
 
@@ -114,29 +116,52 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
     return statistics.median(rates), model, autocast_dtype
 
 
-def main(overrides: list[str]) -> None:
+def lightning_rate(overrides: list[str]) -> float:
+    """Median windowed tokens/s that `python train.py overrides...` logged, warm-up excluded."""
+    run_dir = Path(tempfile.mkdtemp(prefix="bench_throughput_")) / "run"
+    _, rows = train(run_dir, *overrides)
+    return median_after(rows, "train/tokens_per_sec", WARMUP_STEPS // 10)
+
+
+def main(arguments: list[str]) -> None:
+    repeats = [int(a.split("=")[1]) for a in arguments if a.startswith("--repeats=")]
+    repeats = repeats[-1] if repeats else 3
+    overrides = [a for a in arguments if not a.startswith("--repeats=")]
     given = [int(o.split("=")[1]) for o in overrides if o.startswith("trainer.max_steps=")]
     steps = given[-1] if given else 300
+    overrides = [*overrides, f"trainer.max_steps={steps}"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device: {device}; torch {torch.__version__}; {torch.get_num_threads()} threads")
-    print(f"overrides: {' '.join(overrides) or '(defaults)'}\n")
+    print(f"overrides: {' '.join(overrides)}; {repeats} repeats\n")
 
-    run_dir = Path(tempfile.mkdtemp(prefix="bench_throughput_")) / "run"
-    _, rows = train(run_dir, *overrides, f"trainer.max_steps={steps}")
-    lightning = median_after(rows, "train/tokens_per_sec", WARMUP_STEPS // 10)
-    hand, model, dtype = hand_loop(overrides, steps)
+    pairs = []
+    for repeat in range(repeats):
+        if repeat % 2 == 0:
+            lightning = lightning_rate(overrides)
+            hand, model, dtype = hand_loop(overrides, steps)
+        else:
+            hand, model, dtype = hand_loop(overrides, steps)
+            lightning = lightning_rate(overrides)
+        pairs.append((lightning, hand))
+        ratio = lightning / hand
+        print(f"repeat {repeat + 1}: (a) {lightning:,.0f}  (b) {hand:,.0f}  (a)/(b) {ratio:.3f}")
 
+    lightning = statistics.median(a for a, _ in pairs)
+    hand = statistics.median(b for _, b in pairs)
     per_token = flops_per_token(model)
     peak = matmul_peak(device, dtype or torch.float32)
-    print("| path | tokens/s | model TFLOP/s | MFU (vs measured matmul peak) |")
+    print("\n| path | tokens/s (median) | model TFLOP/s | MFU (vs measured matmul peak) |")
     print("|---|---|---|---|")
     for name, rate in (("(a) train.py (Lightning)", lightning), ("(b) hand loop", hand)):
         achieved = rate * per_token
         print(f"| {name} | {rate:,.0f} | {achieved / 1e12:.3f} | {achieved / peak:.1%} |")
     precision = "bf16" if dtype else "fp32"
+    ratios = sorted(a / b for a, b in pairs)
     print(
-        f"\n(a)/(b) = {lightning / hand:.3f}; {model.num_parameters() / 1e6:.2f}M parameters, "
-        f"{per_token / 1e6:.2f} MFLOP/token; {precision} matmul peak {peak / 1e12:.3f} TFLOP/s"
+        f"\n(a)/(b) = {statistics.median(ratios):.3f} (median of {repeats} paired runs; "
+        f"range {ratios[0]:.3f}-{ratios[-1]:.3f}); {model.num_parameters() / 1e6:.2f}M "
+        f"parameters, {per_token / 1e6:.2f} MFLOP/token; {precision} matmul peak "
+        f"{peak / 1e12:.3f} TFLOP/s"
     )
 
 

@@ -18,6 +18,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data.sampler import RankShard, ResumableLoader, ResumableShuffle
 from data.tokenizer import CharTokenizer, load_tokenizer
 
 # A complete entry holds this file; it is the last one a build writes.
@@ -128,14 +129,25 @@ class CachedDataModule(L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def _loader(self, dataset: Dataset, train: bool, collate_fn=None) -> DataLoader:
-        workers = self.config.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.config.batch_size,
-            shuffle=train,
-            drop_last=train,  # a short last batch would be an oddly weighted training step
+        """Batches of `dataset`. Training batches follow ResumableShuffle, which a resumed run
+        starts at its step; evaluation batches are in order. In a distributed run each rank gets
+        its own share (the trainer configs turn Lightning's own DistributedSampler off)."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        workers, batch_size = self.config.num_workers, self.config.batch_size
+        options = dict(
             collate_fn=collate_fn,
             num_workers=workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=workers > 0,
         )
+        if not train:
+            sampler = RankShard(len(dataset), rank, world)
+            return DataLoader(dataset, batch_size, sampler=sampler, **options)
+        steps_done = trainer.global_step * trainer.accumulate_grad_batches if trainer else 0
+        # The run's seed (seed_everything sets torch's initial seed), so each seed has its order.
+        sampler = ResumableShuffle(
+            len(dataset), batch_size, torch.initial_seed(), steps_done, rank, world
+        )
+        # drop_last: a short last batch would be an oddly weighted training step
+        return ResumableLoader(dataset, batch_size, sampler=sampler, drop_last=True, **options)

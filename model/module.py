@@ -5,6 +5,7 @@ prediction, Seq2SeqModule the encoder-decoder on (source, target) pairs.
 """
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,14 @@ class OptimConfig:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine
 
 
+# What a step with a non-finite loss or gradient norm does (train.py's on_nonfinite).
+NONFINITE_ACTIONS = ("stop", "skip")
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm stopped training (on_nonfinite=stop)."""
+
+
 class TrainingModule(L.LightningModule):
     """Optimizer, schedule, throughput and validation loss, shared by both tasks.
 
@@ -68,16 +77,30 @@ class TrainingModule(L.LightningModule):
 
     kind: str  # "gpt" or "encdec": recorded in the checkpoint, so generate.py knows the model
 
-    def __init__(self, model: dict, optim: dict, tokenizer: dict, run_config: dict | None = None):
+    def __init__(
+        self,
+        model: dict,
+        optim: dict,
+        tokenizer: dict,
+        run_config: dict | None = None,
+        on_nonfinite: str = "stop",
+    ):
         super().__init__()
+        if on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(NONFINITE_ACTIONS)}"
+            )
         self.save_hyperparameters(logger=False)
         self.hparams["kind"] = self.kind
         self.model = build_model(self.kind, model)
         self.tokenizer = tokenizer_from_dict(tokenizer)
         self.optim = OptimConfig(**optim)
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0
         self.val_loss = MeanMetric()
         self._window_start: float | None = None  # when the current throughput window began
         self._window_tokens = 0
+        self._step_loss: Tensor | None = None
 
     def loss(self, batch) -> tuple[Tensor, Tensor, int]:
         """(loss, logits, number of real tokens in the batch)."""
@@ -90,11 +113,14 @@ class TrainingModule(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss, _, tokens = self.loss(batch)
         self._batch_tokens = tokens
+        self._step_loss = loss.detach()
         # Only the steps whose values reach the loggers log: on a small model, logging every
         # step costs several percent of the step time.
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
             self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the mean over ranks
             self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+            if self.skipped_steps:
+                self.log("train/skipped_steps", float(self.skipped_steps))
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
@@ -111,6 +137,64 @@ class TrainingModule(L.LightningModule):
 
     def on_validation_start(self) -> None:
         self._window_start = None  # validation time is not training throughput
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["skipped_steps"] = self.skipped_steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.skipped_steps = checkpoint.get("skipped_steps", 0)
+
+    def on_train_start(self) -> None:
+        # A run resumed with another optim.lr: the restored schedule keeps the checkpoint's base
+        # rate, so rescale it (and this step's rate) to the one asked for.
+        scheduler = self.lr_schedulers()
+        if scheduler is not None and scheduler.base_lrs != [self.optim.lr] * len(
+            scheduler.base_lrs
+        ):
+            scheduler.base_lrs = [self.optim.lr] * len(scheduler.base_lrs)
+            factor = self.optim.lr_factor(
+                scheduler.last_epoch, int(self.trainer.estimated_stepping_batches)
+            )
+            for group in scheduler.optimizer.param_groups:
+                group["initial_lr"], group["lr"] = self.optim.lr, self.optim.lr * factor
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
+    ) -> None:
+        """Clip as the trainer says, and guard the update: the gradient norm this needs anyway
+        and the loss are checked together (one host sync) before the optimizer may step."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        values = torch.stack([norm.float(), self._step_loss.float()])
+        if not bool(torch.isfinite(values).all()):
+            self._nonfinite_step(optimizer, *values.tolist())
+            return
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            torch.nn.utils.clip_grads_with_norm_(self.parameters(), gradient_clip_val, norm)
+        elif gradient_clip_val:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def _nonfinite_step(self, optimizer, norm: float, loss: float) -> None:
+        """Stop before the update (nothing saved is touched), or drop the update and go on."""
+        step = self.trainer.global_step + 1
+        what = f"step {step}: the loss is {loss:.4g} and the gradient norm {norm:.4g}"
+        if self.on_nonfinite == "skip":
+            optimizer.zero_grad(set_to_none=True)  # AdamW leaves parameters without grads alone
+            self.skipped_steps += 1
+            if self.trainer.is_global_zero:
+                print(f"warning: {what}: update skipped (on_nonfinite=skip)", file=sys.stderr)
+            return
+        checkpoint = self.trainer.checkpoint_callback
+        last = getattr(checkpoint, "last_model_path", "") or ""
+        where = (
+            f"the last good checkpoint is {last} (resume: python train.py ckpt_path={last})"
+            if last
+            else "no checkpoint was saved before it"
+        )
+        raise TrainingDiverged(
+            f"{what}; training stopped before this update, and {where}. Lower optim.lr, or set "
+            "on_nonfinite=skip to drop such updates"
+        )
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, _, tokens = self.loss(batch)
@@ -146,8 +230,8 @@ class LanguageModelModule(TrainingModule):
 
     kind = "gpt"
 
-    def __init__(self, model: dict, optim: dict, tokenizer: dict, run_config: dict | None = None):
-        super().__init__(model, optim, tokenizer, run_config)
+    def __init__(self, model: dict, optim: dict, tokenizer: dict, **options):
+        super().__init__(model, optim, tokenizer, **options)
         chars = torch.tensor(self.tokenizer.token_char_counts())
         self.register_buffer("token_chars", chars, persistent=False)
         self.val_nats, self.val_chars = SumMetric(), SumMetric()

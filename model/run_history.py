@@ -25,22 +25,35 @@ def seconds_since_process_start() -> float | None:
 class RunHistory(L.Callback):
     """Rows of {"step", "time", "train/...": value} every `trainer.log_every_n_steps` steps and
     of {"step", "time", "val/...": value} after every validation (sanity checks excluded);
-    "time" is wall seconds since fitting started. Also the seconds from process start to the
-    end of the first optimizer step: the start-up cost a user waits through."""
+    "time" is wall seconds of fitting. Also the seconds from process start to the end of the
+    first optimizer step: the start-up cost a user waits through.
+
+    The rows travel in checkpoints, so a resumed run's history is the interrupted run's up to
+    the checkpoint, then its own: no gap, no repeated step, and time carries on.
+    """
 
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
         self.first_step_seconds: float | None = None
         self._fit_start = time.perf_counter()
+        self._earlier_seconds = 0.0  # fitting time of the runs this one resumes
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._fit_start = time.perf_counter()
 
+    def elapsed(self) -> float:
+        return self._earlier_seconds + time.perf_counter() - self._fit_start
+
+    def state_dict(self) -> dict:
+        return {"rows": self.rows, "seconds": self.elapsed()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows, self._earlier_seconds = list(state["rows"]), state["seconds"]
+
     def _record(self, trainer: L.Trainer, prefix: str) -> None:
         values = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
         if values:
-            elapsed = time.perf_counter() - self._fit_start
-            self.rows.append({"step": trainer.global_step, "time": elapsed, **values})
+            self.rows.append({"step": trainer.global_step, "time": self.elapsed(), **values})
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         if self.first_step_seconds is None:

@@ -28,8 +28,10 @@ TINY = [
 ]
 
 
-def run_script(script: str, *overrides: str, cache_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TINYFORMER_CACHE": str(cache_dir), "WANDB_SILENT": "true"}
+def run_script(
+    script: str, *overrides: str, cache_dir: Path, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TINYFORMER_CACHE": str(cache_dir), "WANDB_SILENT": "true", **(env or {})}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
         [sys.executable, str(ROOT / script), *overrides],

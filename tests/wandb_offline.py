@@ -40,9 +40,16 @@ def records(path: Path) -> Iterator[wandb_internal_pb2.Record]:
             yield record
 
 
+def run_files(run_dir: Path) -> list[Path]:
+    """Every offline-run-*/run-*.wandb under <run_dir>/wandb, oldest first."""
+    return sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+
+
 def run_file(run_dir: Path) -> Path:
-    """The single offline-run-*/run-*.wandb under <run_dir>/wandb."""
-    files = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    """`run_dir` itself if it is a run-*.wandb file, else the single one under <run_dir>/wandb."""
+    if Path(run_dir).suffix == ".wandb":
+        return Path(run_dir)
+    files = run_files(run_dir)
     if len(files) != 1:
         raise AssertionError(f"expected one offline W&B run under {run_dir}, found {files}")
     return files[0]
@@ -73,11 +80,12 @@ def config(run_dir: Path) -> dict:
 
 
 def run_info(run_dir: Path) -> dict:
-    """The run's name, group, job type and tags, from its first run record."""
+    """The run's id, name, group, job type and tags, from its first run record."""
     for record in records(run_file(run_dir)):
         if record.WhichOneof("record_type") == "run":
             run = record.run
             return {
+                "id": run.run_id,
                 "name": run.display_name,
                 "group": run.run_group,
                 "job_type": run.job_type,

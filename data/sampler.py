@@ -1,0 +1,87 @@
+"""The order in which a training run visits examples, as a pure function of (seed, step), so a
+resumed run continues with exactly the batches the interrupted one would have trained on."""
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+class ResumableShuffle(Sampler[int]):
+    """A fresh permutation of the dataset every epoch, drawn from (seed, epoch), split among the
+    ranks of a distributed run, and started at any batch.
+
+    Each rank takes every world_size-th index of the permutation, cut to the same length on every
+    rank, so ranks see disjoint examples and equally many batches. The first epoch to be iterated
+    is the one holding batch `start_batch` (counted over the whole run, this rank), and starts
+    there; later epochs start at their first batch.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        batch_size: int,
+        seed: int,
+        start_batch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.per_rank = size // world_size
+        self.batches_per_epoch = self.per_rank // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{size} training examples make no full batch of data.batch_size={batch_size} "
+                f"on each of {world_size} process(es): lower data.batch_size or add data"
+            )
+        self.size, self.batch_size, self.seed = size, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.skip = divmod(start_batch, self.batches_per_epoch)
+
+    def __len__(self) -> int:
+        # A whole epoch even when resuming into one: Lightning counts the batches already done in
+        # the restored epoch against this length, and the sampler yields only the rest.
+        return self.batches_per_epoch * self.batch_size
+
+    def state(self) -> dict:
+        return {"seed": self.seed, "batches_per_epoch": self.batches_per_epoch}
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=generator)
+        mine = order[self.rank :: self.world_size][: self.batches_per_epoch * self.batch_size]
+        start = self.skip * self.batch_size
+        self.epoch, self.skip = self.epoch + 1, 0
+        return iter(mine[start:].tolist())
+
+
+class RankShard(Sampler[int]):
+    """Every world_size-th example in order, for evaluation: ranks score disjoint examples and,
+    unlike DistributedSampler, none is repeated to even out the shards."""
+
+    def __init__(self, size: int, rank: int = 0, world_size: int = 1) -> None:
+        self.indices = range(rank, size, world_size)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over a ResumableShuffle. Its position needs no saving, since the sampler
+    starts at the trainer's step; what it saves, in Lightning's checkpoint, is what that position
+    means (the seed and the epoch length), so that a resume over other data or with another
+    seed fails instead of silently training on other batches. Being stateful also tells
+    Lightning that resuming mid-epoch is exact."""
+
+    def state_dict(self) -> dict:
+        return self.sampler.state()
+
+    def load_state_dict(self, state: dict) -> None:
+        if state and state != self.sampler.state():
+            raise ValueError(
+                f"the checkpoint's data order {state} differs from this run's "
+                f"{self.sampler.state()}: resume with the seed, data and data.batch_size of the "
+                "checkpoint's run"
+            )

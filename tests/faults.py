@@ -1,0 +1,37 @@
+"""Faults that tests inject into real train.py runs through the command line, e.g.
+
+    python train.py +callbacks.fault._target_=faults.SignalAt +callbacks.fault.step=20 \
+        +callbacks.fault.signum=9
+
+(train.py runs with tests/ on PYTHONPATH). Each fires only in a run started afresh, so the
+resumed run that a test starts next, which carries the same overrides, trains on untouched.
+"""
+
+import os
+
+import lightning as L
+import torch
+
+
+class SignalAt(L.Callback):
+    """Send this process the signal `signum` before step `step + 1`, once `step` steps are
+    done (so after any checkpoint written at step `step`)."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.ckpt_path is None and trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+class NaNGradientAt(L.Callback):
+    """Make one gradient NaN in step `step + 1`, after backward and before the update."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module, optimizer) -> None:
+        if trainer.ckpt_path is None and trainer.global_step == self.step:
+            parameter = next(p for p in pl_module.parameters() if p.grad is not None)
+            parameter.grad.view(-1)[0] = torch.nan

@@ -1,0 +1,198 @@
+"""Runs that die and continue, through the real command line: SIGKILL, SIGTERM and SIGINT in the
+middle of training, a non-finite loss, and the resumed run's W&B record.
+
+Faults come from tests/faults.py, added to a run with +callbacks.fault=... overrides.
+"""
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_cli import run_script
+from wandb_offline import config, history, run_files, run_info
+
+# A tiny model with dropout (so resuming must restore the random streams too), validated and
+# checkpointed every 10 steps, deterministic kernels.
+TINY = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "model.attention.n_head=2",
+    "model.dropout=0.1",
+    "data.batch_size=8",
+    "trainer.max_steps=40",
+    "trainer.val_check_interval=10",
+    "trainer.limit_val_batches=2",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.deterministic=true",
+    "optim.warmup_steps=5",
+    "callbacks.attention_maps.every_n_steps=20",
+    "callbacks.attention_maps.sample_length=16",
+    "sample.max_new_tokens=10",
+    "logger=csv",
+]
+
+
+def fault(name: str, **options) -> list[str]:
+    return [f"+callbacks.fault._target_=faults.{name}"] + [
+        f"+callbacks.fault.{key}={value}" for key, value in options.items()
+    ]
+
+
+def train(cache: Path, *overrides: str):
+    return run_script("train.py", *overrides, cache_dir=cache, env={"PYTHONPATH": "tests"})
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
+def losses(run_dir: Path) -> list[tuple]:
+    """(step, train/loss, val/loss) of every row of the run's history (summary.json)."""
+    rows = json.loads((run_dir / "summary.json").read_text())["history"]
+    return [(row["step"], row.get("train/loss"), row.get("val/loss")) for row in rows]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("resume_cache")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache) -> Path:
+    """40 steps in one go: what every interrupted and resumed run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    result = train(cache, *TINY, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signum", "step", "status"),
+    [
+        (signal.SIGKILL, 20, -signal.SIGKILL),  # right after the step-20 checkpoint
+        (signal.SIGTERM, 25, 128 + signal.SIGTERM),  # between checkpoints
+        (signal.SIGINT, 25, 128 + signal.SIGINT),
+    ],
+    ids=["SIGKILL", "SIGTERM", "SIGINT"],
+)
+def test_killed_run_resumes_to_the_same_weights_and_history(
+    tmp_path, cache, straight, signum, step, status
+):
+    run_dir = tmp_path / "run"
+    killed = train(
+        cache, *TINY, f"hydra.run.dir={run_dir}", *fault("SignalAt", step=step, signum=signum)
+    )
+    assert killed.returncode == status, killed.stderr[-3000:]
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    if signum == signal.SIGKILL:
+        assert saved["global_step"] == 20  # the last checkpoint before the kill
+    else:
+        # A stop signal ends the step under way and checkpoints it.
+        assert saved["global_step"] == step + 1
+        name = signal.Signals(signum).name
+        assert (
+            f"stopped by {name} after step {step + 1}; saved {run_dir}/checkpoints/last.ckpt; "
+            f"continue with: python train.py ckpt_path={run_dir}"
+        ) in killed.stderr
+        assert json.loads((run_dir / "summary.json").read_text())["status"] == f"stopped by {name}"
+
+    # The run's directory alone is enough: the resumed run composes its config from the
+    # overrides the checkpoint recorded (the fault fires only in a run started afresh).
+    resumed = train(cache, f"ckpt_path={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {run_dir}/checkpoints/last.ckpt at step {saved['global_step']}" in (
+        resumed.stdout
+    )
+
+    final, expected = weights(run_dir), weights(straight)
+    assert final.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+    # The history has every step once, with the straight run's values: no gap, no repeat.
+    assert losses(run_dir) == losses(straight)
+    # The first start's record is kept; the resumed one is beside it.
+    assert "SignalAt" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert (run_dir / ".hydra" / "resume-1" / "overrides.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_resumes_or_starts_afresh(tmp_path, cache, straight):
+    """ckpt_path=last with a fixed run directory: one command a pre-empted job can repeat."""
+    run_dir = tmp_path / "run"
+    command = [*TINY, f"hydra.run.dir={run_dir}", "ckpt_path=last"]
+    first = train(cache, *command, *fault("SignalAt", step=20, signum=signal.SIGKILL))
+    assert first.returncode == -signal.SIGKILL
+    assert "no checkpoint in" in first.stdout and "starts from scratch" in first.stdout
+    again = train(cache, *command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "at step 20" in again.stdout
+    assert losses(run_dir) == losses(straight)
+
+
+@pytest.mark.slow
+def test_resume_refuses_changed_model(tmp_path, cache, straight):
+    result = train(cache, f"ckpt_path={straight}", "model.n_layer=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: ckpt_path={straight}/checkpoints/last.ckpt cannot resume")
+    assert "model.n_layer: 1 in the checkpoint, 2 now" in lines[0]
+
+
+@pytest.mark.slow
+def test_offline_wandb_resume_is_a_new_run_in_the_same_group(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, "logger=wandb", f"hydra.run.dir={run_dir}"]
+    killed = train(cache, *overrides, *fault("SignalAt", step=20, signum=signal.SIGKILL))
+    assert killed.returncode == -signal.SIGKILL
+    resumed = train(cache, f"ckpt_path={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    first, second = run_files(run_dir)
+    # W&B's writer process dies with a SIGKILLed run and may lose what it had not flushed (here:
+    # everything but the header), so the killed run's id is read from its file's name.
+    first_id = first.stem.removeprefix("run-")
+    resumed_run = run_info(second)
+    assert resumed_run["id"] != first_id
+    assert resumed_run["group"] == first_id  # the W&B UI shows the two together
+    assert config(second)["resumed_from"]["step"] == 20
+    # The history goes on at the restored step.
+    steps = [row["trainer/global_step"] for row in history(second) if "train/loss" in row]
+    assert steps == [29, 39]  # Lightning logs the step before it counts it: 30 and 40
+
+
+@pytest.mark.slow
+def test_nan_gradient_stops_with_message_and_keeps_last_checkpoint(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    result = train(cache, *TINY, f"hydra.run.dir={run_dir}", *fault("NaNGradientAt", step=24))
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert errors == [
+        f"error: step 25: the loss is {errors[0].split('the loss is ')[1].split(' ')[0]} and the "
+        f"gradient norm nan; training stopped before this update, and the last good checkpoint "
+        f"is {last} (resume: python train.py ckpt_path={last}). Lower optim.lr, or set "
+        "on_nonfinite=skip to drop such updates"
+    ]
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == 20
+    assert all(value.isfinite().all() for value in saved["state_dict"].values())
+    assert sorted(p.name for p in last.parent.iterdir()) == ["best-step20.ckpt", "last.ckpt"]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "diverged"
+
+
+@pytest.mark.slow
+def test_nan_gradient_is_skipped_when_asked(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"hydra.run.dir={run_dir}", "on_nonfinite=skip"]
+    result = train(cache, *overrides, *fault("NaNGradientAt", step=24))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: step 25: the loss is" in result.stderr and "update skipped" in result.stderr
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 40 and saved["skipped_steps"] == 1
+    assert all(value.isfinite().all() for value in saved["state_dict"].values())
