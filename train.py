@@ -19,7 +19,7 @@ import torch
 import wandb
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
+from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -94,12 +94,13 @@ OmegaConf.register_new_resolver("hydra_record_dir", hydra_record_dir, use_cache=
 
 
 def instantiate_checked(node: DictConfig, **kwargs):
-    """hydra.utils.instantiate, with our own config errors surfacing as themselves."""
+    """hydra.utils.instantiate, with config errors (ours and Lightning's) surfacing as
+    themselves, so they print as one line."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as error:
         cause = error.__cause__
-        if isinstance(cause, USER_ERRORS):
+        if isinstance(cause, TRAIN_ERRORS):
             raise cause from None
         raise
 
@@ -236,9 +237,22 @@ def prepare_resume(cfg: DictConfig) -> tuple[DictConfig, Path | None, dict | Non
     saved = checkpoint.get("hyper_parameters", {}).get("run_config")
     if saved is None:
         raise ValueError(f"ckpt_path={path} was not written by train.py: it has no run config")
+    saved_kind = checkpoint["hyper_parameters"].get("kind")
+    asked_kind = module_for(instantiate_checked(cfg.model)).kind
+    if "model" in {override_key(o) for o in given} and asked_kind != saved_kind:
+        raise ValueError(
+            f"ckpt_path={path} holds a {saved_kind} model and this command asks for a "
+            f"{asked_kind}: drop model=... to resume it, or start a new run without ckpt_path"
+        )
     overrides = resumed_overrides(saved.get("overrides", []), given)
     if overrides != given:
-        cfg = compose("train", overrides=[*overrides, f"ckpt_path={path}"])
+        try:
+            cfg = compose("train", overrides=[*overrides, f"ckpt_path={path}"])
+        except ConfigCompositionException as error:
+            raise ValueError(
+                f"ckpt_path={path}: this command's overrides do not fit the checkpoint's run "
+                f"({' '.join(str(error).split())}); drop the ones that change its model or data"
+            ) from None
     else:
         cfg.ckpt_path = str(path)
     current = OmegaConf.to_container(cfg, resolve=True)
@@ -353,15 +367,7 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = instantiate_checked(cfg.data)
     module_class = module_for(model_config)
     check_model_fits_data(module_class, datamodule)
-    resumed_tokenizer = None
-    if checkpoint is not None:
-        saved_kind = checkpoint["hyper_parameters"].get("kind")
-        if saved_kind != module_class.kind:
-            raise ValueError(
-                f"ckpt_path={ckpt_path} holds a {saved_kind} model and this run trains a "
-                f"{module_class.kind}: drop model=... to resume it, or start a new run"
-            )
-        resumed_tokenizer = checkpoint["hyper_parameters"]["tokenizer"]
+    resumed_tokenizer = checkpoint["hyper_parameters"]["tokenizer"] if checkpoint else None
     stop = StopSignals()
     callbacks = [instantiate_checked(c) for c in (cfg.get("callbacks") or {}).values()]
     callbacks += [ResumeState(), stop]

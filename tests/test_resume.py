@@ -5,12 +5,14 @@ Faults come from tests/faults.py, added to a run with +callbacks.fault=... overr
 """
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from model.module import OptimConfig
 from test_cli import run_script
 from wandb_offline import config, history, run_files, run_info
 
@@ -132,6 +134,23 @@ def test_ckpt_path_last_resumes_or_starts_afresh(tmp_path, cache, straight):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "at step 20" in again.stdout
     assert losses(run_dir) == losses(straight)
+
+
+@pytest.mark.slow
+def test_resume_trains_longer_at_a_new_learning_rate(tmp_path, cache, straight):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    result = train(cache, f"ckpt_path={run_dir}", "trainer.max_steps=60", "optim.lr=1e-3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((run_dir / "summary.json").read_text())["history"]
+    lr = {row["step"]: row["train/lr"] for row in rows if "train/lr" in row}
+    assert sorted(lr) == [10, 20, 30, 40, 50, 60]
+    # The cosine now runs to step 60 from the new peak rate (schedule: optim.lr_factor).
+    factor = OptimConfig(lr=1e-3, warmup_steps=5).lr_factor
+    assert lr[50] == pytest.approx(1e-3 * factor(49, 60)) and lr[60] == pytest.approx(
+        1e-3 * factor(59, 60)
+    )
+    assert weights(run_dir).keys() == weights(straight).keys()
 
 
 @pytest.mark.slow

@@ -1,0 +1,126 @@
+"""Bad input through the real command line, one table: every case exits with status 1 and says
+what is wrong in one line (Hydra's own composition errors in its few lines), never with a
+traceback, and a checkpoint that would run code never does."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_cli import run_script
+
+# (id, script, overrides, what the message says). {tmp} is this module's folder of inputs,
+# {run} a trained GPT's run directory. "hydra:" cases are Hydra's own multi-line messages.
+CASES = [
+    ("heads_not_dividing", "train.py", ["model.attention.n_head=3"],
+     "error: model.n_embd=128 is not divisible by model.attention.n_head=3"),
+    ("kv_heads_not_dividing", "train.py", ["model.attention.n_kv_head=3"],
+     "error: model.attention.n_head=4 is not divisible by model.attention.n_kv_head=3"),
+    ("negative_lr", "train.py", ["optim.lr=-1"], "error: optim.lr must be > 0, got -1"),
+    ("seed_not_a_number", "train.py", ["seed=abc"], "error: seed must be an integer, got 'abc'"),
+    ("zero_steps", "train.py", ["trainer.max_steps=0"],
+     "error: trainer.max_steps must be a positive integer"),
+    ("unknown_nonfinite_action", "train.py", ["on_nonfinite=ignore"],
+     "error: on_nonfinite='ignore' is not one of stop, skip"),
+    ("unknown_position", "train.py", ["model.position=spiral"], "error: model.position='spiral'"),
+    ("zero_batch", "train.py", ["data.batch_size=0"],
+     "error: data.batch_size must be a positive integer, got 0"),
+    ("bad_precision", "train.py", ["trainer.precision=17"], "error: Precision 17 is invalid"),
+    ("zero_devices", "train.py", ["trainer.devices=0"], "error: `Trainer(devices=0)` value is not"),
+    ("unknown_model_choice", "train.py", ["model=transformer"],
+     "hydra:Could not find 'model/transformer'"),
+    ("unknown_key", "train.py", ["model.n_layr=2"], "hydra:Key 'n_layr' is not in struct"),
+    ("no_matching_files", "train.py", ["data=text_files", "data.paths=[{tmp}/nope*.txt]"],
+     "error: data.paths: no file matches '{tmp}/nope*.txt'"),
+    ("empty_corpus", "train.py", ["data=text_files", "data.paths=[{tmp}/empty.txt]"],
+     "error: data.paths: every file is empty ({tmp}/empty.txt)"),
+    ("corpus_shorter_than_a_block", "train.py",
+     ["data=text_files", "data.paths=[{tmp}/short.txt]", "data.block_size=256"],
+     "error: data.block_size=256 needs at least 257 tokens but the train split has"),
+    ("missing_checkpoint", "train.py", ["ckpt_path={tmp}/nope.ckpt"],
+     "error: ckpt_path={tmp}/nope.ckpt: no checkpoint at {tmp}/nope.ckpt"),
+    ("checkpoint_that_runs_code", "train.py", ["ckpt_path={tmp}/evil.ckpt"],
+     "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
+    ("truncated_checkpoint", "train.py", ["ckpt_path={tmp}/truncated.ckpt"],
+     "error: {tmp}/truncated.ckpt is not a readable tinyformer checkpoint"),
+    ("checkpoint_of_another_kind", "train.py",
+     ["ckpt_path={run}", "model=encdec", "data=shakespeare_denoise"],
+     "error: ckpt_path={run}/checkpoints/last.ckpt holds a gpt model and this command asks "
+     "for a encdec"),
+    ("negative_max_new_tokens", "generate.py", ["ckpt={run}", "max_new_tokens=-1"],
+     "error: max_new_tokens must be an integer >= 0, got -1"),
+    ("top_p_above_one", "generate.py", ["ckpt={run}", "top_p=1.5"],
+     "error: top_p must be in (0, 1] or null, got 1.5"),
+    ("top_p_zero", "generate.py", ["ckpt={run}", "top_p=0"],
+     "error: top_p must be in (0, 1] or null, got 0"),
+    ("zero_temperature", "generate.py", ["ckpt={run}", "temperature=0"],
+     "error: temperature must be > 0, got 0: use decoding=greedy for argmax"),
+    ("prompt_outside_vocabulary", "generate.py", ["ckpt={run}", "prompt='ROMEO☃'"],
+     "error: prompt='ROMEO☃'"),
+    ("beam_search_on_a_gpt", "generate.py", ["ckpt={run}", "decoding=beam"],
+     "error: decoding=beam is for encoder-decoder checkpoints"),
+    ("source_for_a_gpt", "generate.py", ["ckpt={run}", "source=hello"],
+     "error: {run}/checkpoints/"),
+    ("unknown_device", "generate.py", ["ckpt={run}", "device=tpu"],
+     "error: device='tpu' is not available here"),
+    ("generate_missing_checkpoint", "generate.py", ["ckpt={tmp}/nope"],
+     "error: checkpoint {tmp}/nope does not exist"),
+    ("generate_checkpoint_that_runs_code", "generate.py", ["ckpt={tmp}/evil.ckpt"],
+     "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
+    ("generate_truncated_checkpoint", "generate.py", ["ckpt={tmp}/truncated.ckpt"],
+     "error: {tmp}/truncated.ckpt is not a readable tinyformer checkpoint"),
+]  # fmt: skip
+
+
+class RunsCode:
+    """Unpickling this runs a shell command that creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    cache = tmp_path_factory.mktemp("bad_inputs_cache")
+    run = tmp / "run"
+    tiny = ["model.n_layer=1", "model.n_embd=32", "model.block_size=32", "data.batch_size=8"]
+    tiny += ["trainer.max_steps=10", "trainer.val_check_interval=10", "trainer.limit_val_batches=2"]
+    tiny += ["sample.max_new_tokens=5", "logger=none", f"hydra.run.dir={run}"]
+    result = run_script("train.py", *tiny, cache_dir=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    (tmp / "empty.txt").write_text("")
+    (tmp / "short.txt").write_text("\n\n".join(f"line {i}" for i in range(30)))
+    torch.save({"state_dict": {}, "payload": RunsCode(tmp / "pwned")}, tmp / "evil.ckpt")
+    last = (run / "checkpoints" / "last.ckpt").read_bytes()
+    (tmp / "truncated.ckpt").write_bytes(last[: len(last) // 2])
+    return {"tmp": tmp, "run": run, "cache": cache}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "overrides", "message"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])  # fmt: skip
+def test_bad_input_gets_one_line_and_status_1(inputs, script, overrides, message):
+    def fill(text: str) -> str:
+        return text.format(tmp=inputs["tmp"], run=inputs["run"])
+
+    overrides = [fill(o) for o in overrides]
+    if script == "train.py":
+        overrides += ["logger=none", f"hydra.run.dir={inputs['tmp'] / 'failed_run'}"]
+    result = run_script(script, *overrides, cache_dir=inputs["cache"])
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    if message.startswith("hydra:"):
+        assert fill(message.removeprefix("hydra:")) in result.stderr
+        assert "Set the environment variable HYDRA_FULL_ERROR=1" in result.stderr
+    else:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(fill(message)), result.stderr[-3000:]
+        # The message is the run's last word: nothing after it.
+        assert result.stderr.strip().splitlines()[-1] == errors[0]
+    assert not (inputs["tmp"] / "pwned").exists(), "a checkpoint ran code"

@@ -1,0 +1,125 @@
+"""Checkpoint files: a write killed at any moment leaves the previous checkpoint whole, loading
+never runs pickled code, and compiled and plain models share one state-dict layout."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from generate import model_state
+from model.checkpoint_io import load_safely, partial_path, save_durably
+from model.gpt import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Saves a new checkpoint over argv[1], with a fault that kills the process (SIGKILL) midway:
+# "fsync" after the whole file is written but before its rename, "write" when half of its bytes
+# are on disk (torch.save is slowed to small chunks, so the parent can catch it there).
+WRITER = """
+import io, os, signal, sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, {root!r})
+from model import checkpoint_io
+
+path, fault = Path(sys.argv[1]), sys.argv[2]
+if fault == "fsync":
+    os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+else:
+    real_save = torch.save
+
+    def slow_save(obj, f):
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        data = buffer.getvalue()
+        for start in range(0, len(data), 1 << 16):
+            f.write(data[start : start + (1 << 16)])
+            f.flush()
+            time.sleep(0.002)
+
+    checkpoint_io.torch.save = slow_save
+checkpoint_io.save_durably({{"step": 2, "weights": torch.full((1 << 20,), 2.0)}}, path)
+"""
+
+
+@pytest.mark.parametrize("fault", ["fsync", "write"])
+def test_checkpoint_write_killed_midway_leaves_previous_one_loadable(tmp_path, fault):
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    save_durably({"step": 1, "weights": torch.ones(4)}, path)
+    before = path.read_bytes()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER.format(root=str(ROOT)), str(path), fault],
+        stderr=subprocess.PIPE,
+    )
+    if fault == "write":
+        partial = partial_path(path)
+        deadline = time.monotonic() + 60
+        while not (partial.exists() and partial.stat().st_size > 2 << 20):
+            assert writer.poll() is None, writer.stderr.read().decode()
+            assert time.monotonic() < deadline, "the writer never got halfway"
+            time.sleep(0.001)
+        writer.send_signal(signal.SIGKILL)
+    assert writer.wait(timeout=60) == -signal.SIGKILL, writer.stderr.read().decode()
+
+    assert path.read_bytes() == before
+    assert load_safely(path)["step"] == 1
+    # The half-written file is hidden and is no *.ckpt: nothing that looks for checkpoints
+    # (generate.py ckpt=<run dir>, ckpt_path=last) can pick it.
+    assert partial_path(path).exists() and list(path.parent.glob("*.ckpt")) == [path]
+    # The next save goes through.
+    save_durably({"step": 3, "weights": torch.zeros(4)}, path)
+    assert load_safely(path)["step"] == 3 and not partial_path(path).exists()
+
+
+class RunsCode:
+    """A pickle payload that, when unpickled, would create a file: a stand-in for any code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path):
+    marker, path = tmp_path / "pwned", tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": RunsCode(marker)}, path)
+    with pytest.raises(ValueError, match=f"{path} is not a readable tinyformer checkpoint"):
+        load_safely(path)
+    assert not marker.exists()
+    # A plain pickle file is refused the same way.
+    path.write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(ValueError, match="not a readable tinyformer checkpoint"):
+        load_safely(path)
+    assert not marker.exists()
+
+
+def test_truncated_checkpoint_error_names_the_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    save_durably({"weights": torch.ones(1000)}, path)
+    path.write_bytes(path.read_bytes()[:500])
+    with pytest.raises(ValueError, match=f"^{path} is not a readable tinyformer checkpoint"):
+        load_safely(path)
+
+
+def test_compiled_and_plain_models_load_each_others_weights():
+    config = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_embd=16)
+    plain = GPT(config)
+    in_place = GPT(config)
+    in_place.compile()  # what train.py's compile=true does: the keys do not change
+    assert in_place.state_dict().keys() == plain.state_dict().keys()
+    in_place.load_state_dict(plain.state_dict())
+
+    wrapped = torch.compile(GPT(config))  # torch.compile's wrapper prefixes `_orig_mod.`
+    state = {f"model.{key}": value for key, value in wrapped.state_dict().items()}
+    assert all("_orig_mod." in key for key in state)
+    plain.load_state_dict(model_state(state))
+    for key, value in wrapped.state_dict().items():
+        assert torch.equal(plain.state_dict()[key.removeprefix("_orig_mod.")], value)
+    wrapped.load_state_dict({f"_orig_mod.{k}": v for k, v in plain.state_dict().items()})
