@@ -148,15 +148,14 @@ class TrainingModule(L.LightningModule):
         # A run resumed with another optim.lr: the restored schedule keeps the checkpoint's base
         # rate, so rescale it (and this step's rate) to the one asked for.
         scheduler = self.lr_schedulers()
-        if scheduler is not None and scheduler.base_lrs != [self.optim.lr] * len(
-            scheduler.base_lrs
-        ):
-            scheduler.base_lrs = [self.optim.lr] * len(scheduler.base_lrs)
-            factor = self.optim.lr_factor(
-                scheduler.last_epoch, int(self.trainer.estimated_stepping_batches)
-            )
-            for group in scheduler.optimizer.param_groups:
-                group["initial_lr"], group["lr"] = self.optim.lr, self.optim.lr * factor
+        asked = [self.optim.lr] * len(scheduler.base_lrs)
+        if scheduler.base_lrs == asked:
+            return
+        scheduler.base_lrs = asked
+        total_steps = int(self.trainer.estimated_stepping_batches)
+        factor = self.optim.lr_factor(scheduler.last_epoch, total_steps)
+        for group in scheduler.optimizer.param_groups:
+            group["initial_lr"], group["lr"] = self.optim.lr, self.optim.lr * factor
 
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
