@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
@@ -161,6 +162,10 @@ def describe_baseline(datamodule) -> str:
     )
 
 
+# print on the first process only: every rank of a distributed run runs this file
+print_once = rank_zero_only(print)
+
+
 def find_checkpoint(ckpt_path: str, output_dir: str) -> Path | None:
     """The checkpoint `ckpt_path` names: `last` is this run directory's checkpoints/last.ckpt
     (None when there is none yet: the run starts afresh), a directory its last.ckpt, a file
@@ -227,7 +232,7 @@ def prepare_resume(cfg: DictConfig) -> tuple[DictConfig, Path | None, dict | Non
         return cfg, None, None, given
     path = find_checkpoint(cfg.ckpt_path, cfg.paths.output_dir)
     if path is None:
-        print(
+        print_once(
             f"ckpt_path=last: no checkpoint in {cfg.paths.output_dir}/checkpoints yet, so this "
             "run starts from scratch (to continue another run, give its directory: "
             "ckpt_path=outputs/<date>/<time>)"
@@ -263,7 +268,7 @@ def prepare_resume(cfg: DictConfig) -> tuple[DictConfig, Path | None, dict | Non
             f"{'; ...' if len(conflicts) > 4 else ''}): drop those overrides, or start a new "
             "run without ckpt_path"
         )
-    print(
+    print_once(
         f"resuming from {path} at step {checkpoint['global_step']}"
         + (f" with that run's overrides: {' '.join(overrides)}" if overrides else "")
     )

@@ -123,6 +123,24 @@ def test_killed_run_resumes_to_the_same_weights_and_history(
 
 
 @pytest.mark.slow
+def test_two_process_ddp_run_resumes_exactly(tmp_path, cache):
+    """Each rank's share of the data order, and the random streams, continue too."""
+    ddp = [*TINY, "trainer=ddp_cpu"]
+    straight = tmp_path / "straight"
+    result = train(cache, *ddp, f"hydra.run.dir={straight}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    killed = train(cache, *ddp, f"hydra.run.dir={run_dir}", *fault("SignalAt", step=20, signum=9))
+    assert killed.returncode == -signal.SIGKILL
+    resumed = train(cache, f"ckpt_path={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("resuming from") == 1  # rank zero speaks for both
+    final, expected = weights(run_dir), weights(straight)
+    assert all(torch.equal(final[key], expected[key]) for key in expected)
+    assert losses(run_dir) == losses(straight)
+
+
+@pytest.mark.slow
 def test_ckpt_path_last_resumes_or_starts_afresh(tmp_path, cache, straight):
     """ckpt_path=last with a fixed run directory: one command a pre-empted job can repeat."""
     run_dir = tmp_path / "run"
