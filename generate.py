@@ -77,14 +77,16 @@ def load_checkpoint(path: Path):
     """
     checkpoint = load_safely(path)
     try:
+        if not isinstance(checkpoint, dict):
+            raise TypeError(f"a {type(checkpoint).__name__}, not a dict")
         hparams = checkpoint["hyper_parameters"]
         state = checkpoint["state_dict"]
         model = build_model(hparams.get("kind", "gpt"), hparams["model"])
         tokenizer = tokenizer_from_dict(hparams["tokenizer"])
     except (KeyError, TypeError) as error:
         raise ValueError(
-            f"{path} is not a tinyformer checkpoint (no {error}); point ckpt= at a .ckpt "
-            "written by train.py"
+            f"{path} is not a tinyformer checkpoint ({type(error).__name__}: {error}); point "
+            "ckpt= at a .ckpt written by train.py"
         ) from error
     model.load_state_dict(model_state(state))
     return model.eval(), tokenizer, hparams

@@ -239,10 +239,11 @@ def prepare_resume(cfg: DictConfig) -> tuple[DictConfig, Path | None, dict | Non
         )
         return cfg, None, None, given
     checkpoint = load_safely(path)
-    saved = checkpoint.get("hyper_parameters", {}).get("run_config")
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    saved = hparams.get("run_config") if isinstance(hparams, dict) else None
     if saved is None:
         raise ValueError(f"ckpt_path={path} was not written by train.py: it has no run config")
-    saved_kind = checkpoint["hyper_parameters"].get("kind")
+    saved_kind = hparams.get("kind")
     asked_kind = module_for(instantiate_checked(cfg.model)).kind
     if "model" in {override_key(o) for o in given} and asked_kind != saved_kind:
         raise ValueError(

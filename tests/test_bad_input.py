@@ -44,6 +44,8 @@ CASES = [
      "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
     ("truncated_checkpoint", "train.py", ["ckpt_path={tmp}/truncated.ckpt"],
      "error: {tmp}/truncated.ckpt is not a readable tinyformer checkpoint"),
+    ("foreign_checkpoint", "train.py", ["ckpt_path={tmp}/foreign.ckpt"],
+     "error: ckpt_path={tmp}/foreign.ckpt was not written by train.py"),
     ("checkpoint_of_another_kind", "train.py",
      ["ckpt_path={run}", "model=encdec", "data=shakespeare_denoise"],
      "error: ckpt_path={run}/checkpoints/last.ckpt holds a gpt model and this command asks "
@@ -68,6 +70,8 @@ CASES = [
      "error: checkpoint {tmp}/nope does not exist"),
     ("generate_checkpoint_that_runs_code", "generate.py", ["ckpt={tmp}/evil.ckpt"],
      "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
+    ("generate_foreign_checkpoint", "generate.py", ["ckpt={tmp}/foreign.ckpt"],
+     "error: {tmp}/foreign.ckpt is not a tinyformer checkpoint (TypeError: a Tensor, not a dict)"),
     ("generate_truncated_checkpoint", "generate.py", ["ckpt={tmp}/truncated.ckpt"],
      "error: {tmp}/truncated.ckpt is not a readable tinyformer checkpoint"),
 ]  # fmt: skip
@@ -97,6 +101,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     (tmp / "empty.txt").write_text("")
     (tmp / "short.txt").write_text("\n\n".join(f"line {i}" for i in range(30)))
     torch.save({"state_dict": {}, "payload": RunsCode(tmp / "pwned")}, tmp / "evil.ckpt")
+    torch.save(torch.ones(3), tmp / "foreign.ckpt")
     last = (run / "checkpoints" / "last.ckpt").read_bytes()
     (tmp / "truncated.ckpt").write_bytes(last[: len(last) // 2])
     return {"tmp": tmp, "run": run, "cache": cache}
