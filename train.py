@@ -2,7 +2,8 @@
 
 Hydra composes configs/train.yaml and makes the run directory; this file instantiates the
 data, the LightningModule, the loggers and the Trainer, fits, writes the run's summary.json,
-and returns the best validation loss so that Hydra sweepers can minimise it.
+and returns the best validation loss so that Hydra sweepers can minimise it. Given ckpt_path,
+it continues a run where its checkpoint left it (prepare_resume).
 """
 
 import dataclasses
