@@ -42,11 +42,11 @@ from model.attention_maps import AttentionMapLogger
 from model.checkpoint_io import DurableCheckpointIO, load_safely
 from model.encdec import EncoderDecoder
 from model.module import (
-    NONFINITE_ACTIONS,
     LanguageModelModule,
     OptimConfig,
     Seq2SeqModule,
     TrainingDiverged,
+    check_nonfinite_action,
     greedy_decodes,
     module_for,
 )
@@ -239,7 +239,8 @@ def prepare_resume(cfg: DictConfig) -> tuple[DictConfig, Path | None, dict | Non
             "ckpt_path=outputs/<date>/<time>)"
         )
         return cfg, None, None, given
-    checkpoint = load_safely(path)
+    # Mapped, not read: Lightning reads the file itself, and this copy is kept through the run.
+    checkpoint = load_safely(path, mmap=True)
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
     saved = hparams.get("run_config") if isinstance(hparams, dict) else None
     if saved is None:
@@ -326,10 +327,14 @@ def write_summary(output_dir: str, summary: dict) -> None:
     path.write_text(json.dumps(summary, indent=2))
 
 
-def run_summary(trainer: L.Trainer, callbacks: list, started: float) -> dict:
+def run_summary(
+    trainer: L.Trainer, callbacks: list, started: float, status: str = "completed", **extra
+) -> dict:
+    """summary.json's content: `status` ("completed", "diverged", "stopped by SIGTERM"...),
+    `extra` keys, and what the run reached."""
     history = next((c for c in callbacks if isinstance(c, RunHistory)), None)
     maps = next((c for c in callbacks if isinstance(c, AttentionMapLogger)), None)
-    summary: dict = {"status": "completed", "wall_seconds": time.perf_counter() - started}
+    summary: dict = {"status": status, **extra, "wall_seconds": time.perf_counter() - started}
     summary["steps"] = trainer.global_step
     best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     summary["best_val_loss"] = None if best is None else float(best)
@@ -351,10 +356,7 @@ def check_run_options(cfg: DictConfig) -> None:
         raise ValueError(f"seed must be an integer, got {cfg.seed!r}")
     if not isinstance(cfg.compile, bool):
         raise ValueError(f"compile must be true or false, got {cfg.compile!r}")
-    if cfg.on_nonfinite not in NONFINITE_ACTIONS:
-        raise ValueError(
-            f"on_nonfinite={cfg.on_nonfinite!r} is not one of {', '.join(NONFINITE_ACTIONS)}"
-        )
+    check_nonfinite_action(cfg.on_nonfinite)
     steps = cfg.trainer.get("max_steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(
@@ -435,10 +437,8 @@ def train(cfg: DictConfig) -> float | None:
         end_stopped_run(trainer, cfg, callbacks, started, stop)
     except TrainingDiverged as error:
         if trainer.is_global_zero:
-            summary = run_summary(trainer, callbacks, started)
-            write_summary(
-                cfg.paths.output_dir, {**summary, "status": "diverged", "error": str(error)}
-            )
+            summary = run_summary(trainer, callbacks, started, "diverged", error=str(error))
+            write_summary(cfg.paths.output_dir, summary)
         raise
 
     if trainer.is_global_zero:
@@ -460,8 +460,8 @@ def end_stopped_run(
     gives a process that signal ended (128 + signal number), so job schedulers see it."""
     name = signal.Signals(stop.signum).name
     if trainer.is_global_zero:
-        summary = run_summary(trainer, callbacks, started)
-        write_summary(cfg.paths.output_dir, {**summary, "status": f"stopped by {name}"})
+        summary = run_summary(trainer, callbacks, started, f"stopped by {name}")
+        write_summary(cfg.paths.output_dir, summary)
         saved = f"saved {stop.saved}" if stop.saved else "no checkpoint callback, nothing saved"
         print(
             f"stopped by {name} after step {trainer.global_step}; {saved}; continue with: "

@@ -33,11 +33,14 @@ def save_durably(checkpoint: dict[str, Any], path: Path) -> None:
         os.close(folder)
 
 
-def load_safely(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+def load_safely(
+    path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False
+) -> dict[str, Any]:
     """torch.load with weights_only=True: tensors and plain data only, so a checkpoint from a
-    stranger cannot run code. A truncated, foreign or malicious file is a ValueError naming it."""
+    stranger cannot run code. A truncated, foreign or malicious file is a ValueError naming it.
+    mmap=True maps the tensors' bytes instead of reading them (only what is used is read)."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:

@@ -63,6 +63,11 @@ class OptimConfig:
 NONFINITE_ACTIONS = ("stop", "skip")
 
 
+def check_nonfinite_action(action: object) -> None:
+    if action not in NONFINITE_ACTIONS:
+        raise ValueError(f"on_nonfinite={action!r} is not one of {', '.join(NONFINITE_ACTIONS)}")
+
+
 class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient norm stopped training (on_nonfinite=stop)."""
 
@@ -86,10 +91,7 @@ class TrainingModule(L.LightningModule):
         on_nonfinite: str = "stop",
     ):
         super().__init__()
-        if on_nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(
-                f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(NONFINITE_ACTIONS)}"
-            )
+        check_nonfinite_action(on_nonfinite)
         self.save_hyperparameters(logger=False)
         self.hparams["kind"] = self.kind
         self.model = build_model(self.kind, model)
