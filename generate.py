@@ -172,6 +172,7 @@ def stream_samples(model: GPT, tokenizer, config: SamplingConfig, device: torch.
             prompt,
             config.max_new_tokens,
             use_cache=config.use_cache,
+            vocab_size=tokenizer.vocab_size,
             **config.sampling_kwargs(generator),
         )
         # Decode the whole continuation each step and print what is new: a character that

@@ -40,7 +40,8 @@ from generate import (
 )
 from model.attention_maps import AttentionMapLogger
 from model.checkpoint_io import DurableCheckpointIO, load_safely
-from model.encdec import EncoderDecoder
+from model.encdec import EncDecConfig, EncoderDecoder
+from model.gpt import GPTConfig
 from model.module import (
     LanguageModelModule,
     OptimConfig,
@@ -350,6 +351,25 @@ def run_summary(
     return summary
 
 
+def model_vocab_size(model_config: GPTConfig | EncDecConfig, tokens: int) -> int:
+    """The rows of the embedding: the tokenizer's `tokens`, or more for a GPT whose
+    model.vocab_size pads it (to a multiple of 64 for faster matmuls, or to a given size)."""
+    asked = model_config.vocab_size
+    if asked is None or asked == tokens:
+        return tokens
+    if isinstance(model_config, EncDecConfig):
+        raise ValueError(
+            f"model.vocab_size={asked}: only the GPT's vocabulary can be padded; leave it null "
+            f"for the encoder-decoder (the tokenizer has {tokens} tokens)"
+        )
+    if asked < tokens:
+        raise ValueError(
+            f"model.vocab_size={asked} is smaller than the tokenizer's {tokens} tokens; leave "
+            f"it null, or give at least {tokens}"
+        )
+    return asked
+
+
 def check_run_options(cfg: DictConfig) -> None:
     """The top-level options that no dataclass validates."""
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
@@ -405,9 +425,10 @@ def train(cfg: DictConfig) -> float | None:
             f"ckpt_path={ckpt_path} was trained with another tokenizer than this data "
             "gives; resume with the data options of that run"
         )
-    model_config = dataclasses.replace(model_config, vocab_size=datamodule.vocab_size)
+    vocab_size = model_vocab_size(model_config, datamodule.vocab_size)
+    model_config = dataclasses.replace(model_config, vocab_size=vocab_size)
     run_config = OmegaConf.to_container(cfg, resolve=True)
-    run_config["model"]["vocab_size"] = datamodule.vocab_size
+    run_config["model"]["vocab_size"] = vocab_size
     run_config["overrides"] = overrides  # what a resumed run composes its config from
     if checkpoint is not None:
         run_config["resumed_from"] = {

@@ -73,7 +73,7 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
     data.prepare_data()
     data.setup()
     model_config = instantiate(cfg.model)
-    model_config.vocab_size = data.vocab_size
+    model_config.vocab_size = model_config.vocab_size or data.vocab_size  # padded, or the tokenizer's
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = GPT(model_config).to(device)
@@ -103,16 +103,13 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        else:
-            loss.item()
-        if step == WARMUP_STEPS:
-            window_start = time.perf_counter()
-        elif step > WARMUP_STEPS and (step - WARMUP_STEPS) % window == 0:
-            now = time.perf_counter()
+        if step < WARMUP_STEPS or (step - WARMUP_STEPS) % window:
+            continue
+        loss.item()  # waits for the device, at window ends only, as train.py's logging does
+        now = time.perf_counter()
+        if window_start is not None:
             rates.append(window * x.numel() / (now - window_start))
-            window_start = now
+        window_start = now
     return statistics.median(rates), model, autocast_dtype
 
 

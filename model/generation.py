@@ -51,9 +51,11 @@ def generate(
     max_new_tokens: int,
     *,
     use_cache: bool = True,
+    vocab_size: int | None = None,
     **sampling,
 ) -> Iterator[Tensor]:
-    """Yield max_new_tokens new tokens (B,) one step at a time, continuing idx (B, T).
+    """Yield max_new_tokens new tokens (B,) one step at a time, continuing idx (B, T). Only
+    ids below vocab_size (the tokenizer's) are produced, where the model's vocabulary is padded.
 
     The KV cache makes a step cost one position instead of the whole context. The context is
     the last block_size tokens; when the cache fills up it is rebuilt from the last half block,
@@ -64,7 +66,7 @@ def generate(
     cache = model.new_cache() if use_cache else None
     logits, _ = model(context, cache=cache)
     for step in range(max_new_tokens):
-        token = next_token(logits[:, -1], **sampling)
+        token = next_token(logits[:, -1, :vocab_size], **sampling)
         yield token
         if step == max_new_tokens - 1:
             return  # no forward pass for logits nobody will read

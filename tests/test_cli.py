@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.tokenizer import tokenizer_from_dict
 from wandb_offline import config, history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,6 +163,26 @@ def test_csv_logger_run_saves_attention_pngs(tmp_path, cli_cache):
     metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
     assert "attention/layer1/attn/head0/entropy" in metrics and "val/loss" in metrics
     assert not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.slow
+def test_padded_vocabulary_trains_and_samples_real_tokens_only(tmp_path, cli_cache):
+    overrides = [*TINY, "trainer.max_steps=20", "logger=none", "model.vocab_size=128"]
+    run_dir = train_run(tmp_path / "run", *overrides, cache_dir=cli_cache)
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    tokenizer = tokenizer_from_dict(checkpoint["hyper_parameters"]["tokenizer"])
+    assert tokenizer.vocab_size < 128
+    assert checkpoint["state_dict"]["model.lm_head.weight"].shape[0] == 128
+    assert checkpoint["hyper_parameters"]["run_config"]["model"]["vocab_size"] == 128
+    result = run_script(
+        "generate.py",
+        f"ckpt={run_dir}",
+        "max_new_tokens=200",
+        "temperature=2.0",
+        cache_dir=cli_cache,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(result.stdout) >= 200  # every sampled id decoded
 
 
 def test_bad_override_fails_before_data_with_one_line(tmp_path):

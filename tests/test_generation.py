@@ -220,3 +220,17 @@ def test_batch_rows_are_generated_independently():
     batched = run(model, idx, 6, greedy=True)
     for row in range(3):
         assert torch.equal(batched[row : row + 1], run(model, idx[row : row + 1], 6, greedy=True))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_padding_rows_of_the_vocabulary_are_never_produced(use_cache):
+    model = tiny_gpt()
+    real = VOCAB - 5  # the last 5 rows pad the embedding, as model.vocab_size > tokenizer's
+    with torch.no_grad():
+        model.lm_head.weight[real:] = model.lm_head.weight[real:].sign() * 50  # padding wins
+    idx = torch.randint(real, (3, 4))
+    unrestricted = run(model, idx, 12, greedy=True, use_cache=use_cache)
+    assert (unrestricted >= real).any()  # the test would catch a leak
+    for sampling in ({"greedy": True}, {"temperature": 1.0}, {"top_k": 3}, {"top_p": 0.9}):
+        tokens = run(model, idx, 12, vocab_size=real, use_cache=use_cache, **sampling)
+        assert (tokens < real).all(), sampling

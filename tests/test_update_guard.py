@@ -1,0 +1,80 @@
+"""The update guard: a flagged non-finite step leaves weights, AdamW moments and step count
+exactly as they were, and is reported when asked; finite steps update as if unguarded."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from model.update_guard import UpdateGuard
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _model_and_optimizer(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+
+
+def _backward(model: torch.nn.Module, scale: float = 1.0) -> torch.Tensor:
+    x = torch.randn(5, 4, device=next(model.parameters()).device)
+    loss = model(x).square().mean() * scale
+    loss.backward()
+    return loss
+
+
+def _guarded_step(guard, optimizer, model, step: int, loss: torch.Tensor) -> None:
+    grads = [p.grad for p in model.parameters()]
+    guard.flag(optimizer, step, torch.nn.utils.get_total_norm(grads), loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("what", ["nan gradient", "inf loss"])
+def test_a_nonfinite_step_changes_nothing_and_is_reported(device, what):
+    model, optimizer = _model_and_optimizer(device)
+    guard = UpdateGuard()
+    _guarded_step(guard, optimizer, model, 1, _backward(model))
+    weights = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(optimizer.state_dict())
+
+    loss = _backward(model)
+    if what == "nan gradient":
+        model.weight.grad[0, 0] = math.nan
+    else:
+        loss = torch.tensor(math.inf, device=device)
+    _guarded_step(guard, optimizer, model, 2, loss)
+
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    for index, moments in optimizer.state_dict()["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, state["state"][index][key]), key
+    (skipped,) = guard.skipped()
+    assert skipped.step == 2
+    assert math.isnan(skipped.norm) if what == "nan gradient" else math.isinf(skipped.loss)
+    assert guard.skipped() == []  # each step is reported once
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_finite_steps_update_as_unguarded_and_after_a_skipped_one(device):
+    guarded, optimizer = _model_and_optimizer(device)
+    plain, plain_optimizer = _model_and_optimizer(device)
+    guard = UpdateGuard()
+    for step in range(1, 5):
+        torch.manual_seed(step)
+        loss = _backward(guarded)
+        if step == 2:
+            guarded.bias.grad[0] = math.inf
+        _guarded_step(guard, optimizer, guarded, step, loss)
+        if step != 2:  # the plain twin never sees the bad step
+            torch.manual_seed(step)
+            _backward(plain)
+            plain_optimizer.step()
+        plain_optimizer.zero_grad(set_to_none=True)
+    for name, value in guarded.state_dict().items():
+        assert torch.equal(value, plain.state_dict()[name]), name
+    assert [s.step for s in guard.skipped()] == [2]
