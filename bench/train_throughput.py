@@ -73,7 +73,7 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
     data.prepare_data()
     data.setup()
     model_config = instantiate(cfg.model)
-    model_config.vocab_size = model_config.vocab_size or data.vocab_size  # padded, or the tokenizer's
+    model_config.vocab_size = model_config.vocab_size or data.vocab_size  # padded or not
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = GPT(model_config).to(device)
