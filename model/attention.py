@@ -312,10 +312,12 @@ class MultiHeadAttention(nn.Module):
         return additive
 
     def _is_plain_causal(self, q_len: int, k_len: int, key_padding_mask, attn_mask) -> bool:
-        """True when the mask is exactly "causal, no offset": the fused kernel's fastest case."""
+        """True when the mask is plain causality with the queries ending at the last key:
+        either all positions (no offset), or one query, the newest, which sees every key (a
+        decoding step). The fused kernel then needs no mask tensor, its fastest case."""
         return (
             self.causal
-            and q_len == k_len
+            and (q_len == k_len or q_len == 1)
             and self.window is None
             and self.alibi_slopes is None
             and key_padding_mask is None
@@ -346,7 +348,7 @@ class MultiHeadAttention(nn.Module):
                 repeat_kv(k, self.n_head),
                 repeat_kv(v, self.n_head),
                 dropout_p=dropout_p,
-                is_causal=True,
+                is_causal=q_len > 1,  # one query at the last position sees all keys
                 scale=self.scale,
             )
         else:
