@@ -10,6 +10,10 @@ Rows, all on the same input x (B, T, C) and the same projection weights:
             torch.nn.functional.scaled_dot_product_attention(is_causal=True).
 
     python bench/attention_scaling.py [--device cuda] [--out docs/attention_scaling_cpu]
+        [--batch 1 --width 256 --heads 4]
+
+(B=1, C=256 suits a CPU; on a GPU, such a layer is bound by kernel launches, and a layer of
+GPT-2 small's size, --batch 8 --width 768 --heads 12, measures the kernels.)
 
 Writes <out>.md (the table) and <out>.png (log-log plot). On CPU each measurement runs in its
 own process so that its peak resident memory is its own; on CUDA the allocator's peak is used.
@@ -22,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,20 +38,31 @@ from model.attention import AttentionConfig, MultiHeadAttention  # noqa: E402
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 PATHS = ["math", "fused", "window", "sdpa"]
-BATCH, WIDTH, HEADS, WINDOW = 1, 256, 4, 128
+WINDOW = 128
 
 
-def attention_step(path: str, device: torch.device):
-    """A function running forward + backward of `path` on an input, and the input's maker."""
-    config = AttentionConfig(n_head=HEADS, window=WINDOW if path == "window" else None)
-    mha = MultiHeadAttention(WIDTH, config, causal=True).to(device)
+@dataclass
+class Shape:
+    batch: int = 1
+    width: int = 256
+    heads: int = 4
+
+    def arguments(self) -> list[str]:
+        return ["--batch", str(self.batch), "--width", str(self.width), "--heads", str(self.heads)]
+
+
+def attention_step(path: str, device: torch.device, shape: Shape):
+    """A function running forward + backward of `path` on an input."""
+    config = AttentionConfig(n_head=shape.heads, window=WINDOW if path == "window" else None)
+    mha = MultiHeadAttention(shape.width, config, causal=True).to(device)
+    batch, width, heads = shape.batch, shape.width, shape.heads
 
     def bare_sdpa(x: torch.Tensor) -> torch.Tensor:
         # The module's own projections, so only the attention in between differs.
         q, k, v = mha.q_proj(x), mha.k_proj(x), mha.v_proj(x)
-        heads = [t.view(BATCH, -1, HEADS, WIDTH // HEADS).transpose(1, 2) for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*heads, is_causal=True)
-        return mha.out_proj(out.transpose(1, 2).reshape(BATCH, -1, WIDTH))
+        split = [t.view(batch, -1, heads, width // heads).transpose(1, 2) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*split, is_causal=True)
+        return mha.out_proj(out.transpose(1, 2).reshape(batch, -1, width))
 
     def step(x: torch.Tensor) -> None:
         if path == "sdpa":
@@ -59,10 +75,10 @@ def attention_step(path: str, device: torch.device):
     return step
 
 
-def measure(path: str, length: int, device: torch.device, repeats: int) -> dict:
+def measure(path: str, length: int, device: torch.device, repeats: int, shape: Shape) -> dict:
     torch.manual_seed(0)
-    step = attention_step(path, device)
-    x = torch.randn(BATCH, length, WIDTH, device=device, requires_grad=True)
+    step = attention_step(path, device, shape)
+    x = torch.randn(shape.batch, length, shape.width, device=device, requires_grad=True)
     step(x)  # warm-up: kernels chosen, buffers allocated
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -91,9 +107,10 @@ def measure(path: str, length: int, device: torch.device, repeats: int) -> dict:
     }
 
 
-def measure_in_child(path: str, length: int, repeats: int) -> dict:
+def measure_in_child(path: str, length: int, repeats: int, shape: Shape) -> dict:
     """CPU: a fresh process per measurement, its resident-memory peak minus a bare process's."""
     command = [sys.executable, __file__, "--one", path, str(length), "--repeats", str(repeats)]
+    command += shape.arguments()
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -137,14 +154,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("attention_scaling"))
     parser.add_argument("--one", nargs=2, metavar=("PATH", "T"), help=argparse.SUPPRESS)
     parser.add_argument("--idle", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=Shape.batch)
+    parser.add_argument("--width", type=int, default=Shape.width)
+    parser.add_argument("--heads", type=int, default=Shape.heads)
     args = parser.parse_args()
     device = torch.device(args.device)
+    shape = Shape(args.batch, args.width, args.heads)
     if args.idle:
         torch.ones(1)
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         return
     if args.one:
-        print(json.dumps(measure(args.one[0], int(args.one[1]), device, args.repeats)))
+        print(json.dumps(measure(args.one[0], int(args.one[1]), device, args.repeats, shape)))
         return
 
     idle = idle_rss_mb() if device.type == "cpu" else 0.0
@@ -152,10 +173,10 @@ def main() -> None:
     for length in LENGTHS:
         for path in PATHS:
             if device.type == "cpu":
-                row = measure_in_child(path, length, args.repeats)
+                row = measure_in_child(path, length, args.repeats, shape)
                 row["peak_mb"] -= idle
             else:
-                row = measure(path, length, device, args.repeats)
+                row = measure(path, length, device, args.repeats, shape)
             rows.append(row)
             print(
                 f"T={length:5d} {path:7s} {row['ms']:9.2f} ms {row['peak_mb']:9.1f} MiB",
@@ -175,7 +196,8 @@ def main() -> None:
         else "peak CUDA memory allocated above the inputs and weights"
     )
     table = (
-        f"Device: {device}; B={BATCH}, C={WIDTH}, {HEADS} heads (d_k={WIDTH // HEADS}), "
+        f"Device: {device}; B={shape.batch}, C={shape.width}, {shape.heads} heads "
+        f"(d_k={shape.width // shape.heads}), "
         f"window {WINDOW}; median of {args.repeats} forward+backward passes; MiB: "
         f"{memory_note}.\n\n" + header + "\n".join(lines) + "\n"
     )
