@@ -179,7 +179,14 @@ class TrainingModule(L.LightningModule):
             self._trainable = [p for p in self.parameters() if p.requires_grad]
         grads = [p.grad for p in self._trainable if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
-        self._update_guard.flag(optimizer, self.trainer.global_step + 1, norm, self._step_loss)
+        loss = self._step_loss.clone()
+        if self.trainer.world_size > 1:
+            # Every rank must take the same decision. Gradients, and so the norm, are the same
+            # everywhere already; the loss becomes the mean over ranks, finite only if every
+            # rank's is (an all-reduce queued on the device: the host does not wait for it).
+            torch.distributed.all_reduce(loss)
+            loss /= self.trainer.world_size
+        self._update_guard.flag(optimizer, self.trainer.global_step + 1, norm, loss)
         if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
             torch.nn.utils.clip_grads_with_norm_(self._trainable, gradient_clip_val, norm)
         elif gradient_clip_val:
