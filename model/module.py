@@ -179,6 +179,16 @@ class TrainingModule(L.LightningModule):
             self._trainable = [p for p in self.parameters() if p.requires_grad]
         grads = [p.grad for p in self._trainable if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
+        # fp16's gradient scaler skips overflowing steps itself (they are routine while it
+        # finds its scale, not divergence) and hands the fused optimizer its own found_inf.
+        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            self._flag_update(optimizer, norm)
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            torch.nn.utils.clip_grads_with_norm_(self._trainable, gradient_clip_val, norm)
+        elif gradient_clip_val:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def _flag_update(self, optimizer, norm: Tensor) -> None:
         loss = self._step_loss.clone()
         if self.trainer.world_size > 1:
             # Every rank must take the same decision. Gradients, and so the norm, are the same
@@ -187,10 +197,6 @@ class TrainingModule(L.LightningModule):
             torch.distributed.all_reduce(loss)
             loss /= self.trainer.world_size
         self._update_guard.flag(optimizer, self.trainer.global_step + 1, norm, loss)
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            torch.nn.utils.clip_grads_with_norm_(self._trainable, gradient_clip_val, norm)
-        elif gradient_clip_val:
-            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _act_on_skipped_updates(self) -> None:
         """Count and report the updates skipped so far (on_nonfinite=skip), or stop at the first
