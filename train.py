@@ -426,6 +426,13 @@ def train(cfg: DictConfig) -> float | None:
             "gives; resume with the data options of that run"
         )
     vocab_size = model_vocab_size(model_config, datamodule.vocab_size)
+    # model.vocab_size is free on resume only because it is derived; a padding must match.
+    saved_vocab_size = checkpoint["hyper_parameters"]["model"]["vocab_size"] if checkpoint else None
+    if saved_vocab_size not in (None, vocab_size):
+        raise ValueError(
+            f"ckpt_path={ckpt_path} has a {saved_vocab_size}-row vocabulary and this run asks for "
+            f"{vocab_size}: drop model.vocab_size=... to resume it"
+        )
     model_config = dataclasses.replace(model_config, vocab_size=vocab_size)
     run_config = OmegaConf.to_container(cfg, resolve=True)
     run_config["model"]["vocab_size"] = vocab_size

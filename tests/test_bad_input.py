@@ -42,6 +42,8 @@ CASES = [
      "error: model.vocab_size=10 is smaller than the tokenizer's"),
     ("padded_encdec_vocab", "train.py", ["model=encdec", "model.vocab_size=500"],
      "error: model.vocab_size=500: only the GPT's vocabulary can be padded"),
+    ("resume_with_another_vocab_size", "train.py", ["ckpt_path={run}", "model.vocab_size=128"],
+     "error: ckpt_path={run}/checkpoints/last.ckpt has a "),
     ("missing_checkpoint", "train.py", ["ckpt_path={tmp}/nope.ckpt"],
      "error: ckpt_path={tmp}/nope.ckpt: no checkpoint at {tmp}/nope.ckpt"),
     ("checkpoint_that_runs_code", "train.py", ["ckpt_path={tmp}/evil.ckpt"],
