@@ -17,13 +17,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.tokenizer import tokenizer_from_dict
-from model.attention_maps import plot_heads, record_attention
-from model.checkpoint_io import load_safely
+from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
+from model.checkpoint import load_checkpoint
 from model.encdec import EncoderDecoder
 from model.generation import beam_search, decode_greedy_or_sample, decoding_ids, generate
 from model.gpt import GPT
-from model.module import build_model
 
 T = TypeVar("T")
 
@@ -70,35 +68,10 @@ def resolve_checkpoint(path: str) -> Path:
     )
 
 
-def load_checkpoint(path: Path):
-    """(model in eval mode, tokenizer, hyper_parameters) from a training checkpoint.
-
-    load_safely: a checkpoint holds tensors and plain data, never code to run.
-    """
-    checkpoint = load_safely(path)
-    try:
-        if not isinstance(checkpoint, dict):
-            raise TypeError(f"a {type(checkpoint).__name__}, not a dict")
-        hparams = checkpoint["hyper_parameters"]
-        state = checkpoint["state_dict"]
-        model = build_model(hparams.get("kind", "gpt"), hparams["model"])
-        tokenizer = tokenizer_from_dict(hparams["tokenizer"])
-    except (KeyError, TypeError) as error:
-        raise ValueError(
-            f"{path} is not a tinyformer checkpoint ({type(error).__name__}: {error}); point "
-            "ckpt= at a .ckpt written by train.py"
-        ) from error
-    model.load_state_dict(model_state(state))
-    return model.eval(), tokenizer, hparams
-
-
-def model_state(state: dict) -> dict:
-    """The network's weights from a LightningModule state dict, whether or not the model was
-    compiled: torch.compile's wrapper adds `_orig_mod.` to every key (compiling in place, as
-    train.py does, adds nothing), and a plain model loads either."""
-    return {
-        key.removeprefix("model.").replace("_orig_mod.", ""): value for key, value in state.items()
-    }
+def load_run(path: Path) -> tuple[GPT | EncoderDecoder, CharTokenizer | BPETokenizer, dict]:
+    """(model in eval mode, tokenizer, hyper_parameters) from a training checkpoint."""
+    model, hparams = load_checkpoint(path)
+    return model, tokenizer_from_dict(hparams["tokenizer"]), hparams
 
 
 @dataclass
@@ -237,6 +210,8 @@ def save_cross_attention(
     device = next(model.parameters()).device
     source = torch.tensor([source_ids], device=device)
     target = torch.tensor([target_in], device=device)
+    from model.inspect import plot_heads, record_attention  # matplotlib: only when plotting
+
     records = record_attention(model, lambda: model(source, target))
     cross = [r for r in records if r.name.endswith("cross_attn")]
 
@@ -262,7 +237,7 @@ def run(cfg: DictConfig) -> None:
     ckpt, device = options.pop("ckpt"), pick_device(options.pop("device"))
     config = SamplingConfig(**options)  # bad options fail before anything is loaded
     checkpoint_path = resolve_checkpoint(ckpt)
-    model, tokenizer, _ = load_checkpoint(checkpoint_path)
+    model, tokenizer, _ = load_run(checkpoint_path)
     model = model.to(device)
     torch.manual_seed(config.seed)
     if isinstance(model, EncoderDecoder):

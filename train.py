@@ -35,11 +35,12 @@ from generate import (
     USER_ERRORS,
     SamplingConfig,
     exit_on_user_error,
-    load_checkpoint,
+    load_run,
     stream_samples,
 )
 from model.attention_maps import AttentionMapLogger
-from model.checkpoint_io import DurableCheckpointIO, load_safely
+from model.checkpoint import load_safely
+from model.checkpoint_io import DurableCheckpointIO
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.gpt import GPTConfig
 from model.module import (
@@ -137,7 +138,7 @@ def print_summary(trainer: L.Trainer, cfg: DictConfig, datamodule) -> None:
     if not best:
         return
     print(f"\nbest checkpoint: {best} (val/loss {callback.best_model_score:.4f})")
-    model, tokenizer, _ = load_checkpoint(Path(best))
+    model, tokenizer, _ = load_run(Path(best))
     command = f"python generate.py ckpt={cfg.paths.output_dir}"
     if isinstance(model, EncoderDecoder):
         pairs = datamodule.val_texts(3)

@@ -1,12 +1,14 @@
-"""Checkpoint files that survive a crash at any moment, and load without running code."""
+"""Checkpoint files that survive a crash at any moment, and load without running code
+(model/checkpoint.py's load_safely)."""
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from model.checkpoint import load_safely
 
 
 def partial_path(path: Path) -> Path:
@@ -31,24 +33,6 @@ def save_durably(checkpoint: dict[str, Any], path: Path) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
-
-
-def load_safely(
-    path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False
-) -> dict[str, Any]:
-    """torch.load with weights_only=True: tensors and plain data only, so a checkpoint from a
-    stranger cannot run code. A truncated, foreign or malicious file is a ValueError naming it.
-    mmap=True maps the tensors' bytes instead of reading them (only what is used is read)."""
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except FileNotFoundError:
-        raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
-        first_line = str(error).splitlines()[0] if str(error) else "truncated or foreign file"
-        raise ValueError(
-            f"{path} is not a readable tinyformer checkpoint ({type(error).__name__}: "
-            f"{first_line}); point at a .ckpt written by train.py"
-        ) from error
 
 
 class DurableCheckpointIO(TorchCheckpointIO):

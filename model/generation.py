@@ -118,20 +118,42 @@ def decode_greedy_or_sample(
     At most max_target_len tokens are produced: the decoder never saw longer targets. Ids in
     `never` (the special tokens other than EOS) are never produced.
     """
-    max_new_tokens = min(max_new_tokens, model.config.max_target_len)
     memory = model.encode(source, source_mask)
-    tokens = torch.full((source.size(0), 1), bos_id, dtype=torch.long, device=source.device)
-    cache = model.new_cache(source.size(1), max_new_tokens) if use_cache else None
-    finished = torch.zeros(source.size(0), dtype=torch.bool, device=source.device)
+    ids = {"bos_id": bos_id, "eos_id": eos_id, "max_new_tokens": max_new_tokens, "never": never}
+    return _decode(model, memory, source_mask, **ids, use_cache=use_cache, **sampling)[0]
+
+
+def _decode(
+    model: EncoderDecoder,
+    memory: Tensor,
+    source_mask: Tensor | None,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_new_tokens: int,
+    never: Sequence[int] = (),
+    use_cache: bool = True,
+    **sampling,
+) -> tuple[list[list[int]], list[float]]:
+    """decode_greedy_or_sample from the encoder's memory (B, S, C): the outputs, and the summed
+    log-probability of each one's tokens and of its EOS, if it produced one."""
+    max_new_tokens = min(max_new_tokens, model.config.max_target_len)
+    batch, device = memory.size(0), memory.device
+    tokens = torch.full((batch, 1), bos_id, dtype=torch.long, device=device)
+    cache = model.new_cache(memory.size(1), max_new_tokens) if use_cache else None
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    totals = torch.zeros(batch, device=device)
     for _ in range(max_new_tokens):
         step_input = tokens[:, -1:] if use_cache else tokens
         logits = _forbid(model.decode(step_input, memory, source_mask, cache=cache)[:, -1], never)
         token = next_token(logits, **sampling).masked_fill(finished, eos_id)
+        picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]
+        totals += picked.masked_fill(finished, 0.0)
         tokens = torch.cat((tokens, token[:, None]), dim=1)
         finished |= token == eos_id
         if finished.all():
             break
-    return [_until_eos(row, eos_id) for row in tokens[:, 1:].tolist()]
+    return [_until_eos(row, eos_id) for row in tokens[:, 1:].tolist()], totals.tolist()
 
 
 @torch.no_grad()
@@ -153,14 +175,17 @@ def beam_search(
     where length counts its tokens including EOS (0: raw sum, which favours short outputs;
     1: mean per token). Hypotheses still open after max_new_tokens are scored the same way,
     without EOS. A hypothesis ending in EOS is finished when it ranks among the step's top
-    beam_size; a source is done once it has beam_size finished hypotheses (so a wider beam can
-    settle for a shorter output than greedy would). With beam_size=1 this is exactly greedy
-    decoding. Ids in `never` (the special tokens other than EOS) are never produced.
+    beam_size; a source is done once it has beam_size finished hypotheses. That early stop can
+    settle for a shorter output than greedy would, so the greedy decode competes too: the
+    returned score is never below greedy's under the same length penalty. With beam_size=1
+    this is exactly greedy decoding. Ids in `never` (the special tokens other than EOS) are
+    never produced.
     """
     max_new_tokens = min(max_new_tokens, model.config.max_target_len)
     batch, width = source.size(0), beam_size
     rows = torch.arange(batch, device=source.device).repeat_interleave(width)
-    memory = model.encode(source, source_mask)[rows]
+    encoded = model.encode(source, source_mask)
+    memory = encoded[rows]
     mask = source_mask[rows] if source_mask is not None else None
     cache = model.new_cache(source.size(1), max_new_tokens)
     tokens = torch.full((batch * width, 1), bos_id, dtype=torch.long, device=source.device)
@@ -214,4 +239,10 @@ def beam_search(
                 if scores[b, k] > float("-inf"):
                     hypothesis = tokens[b * width + k, 1:].tolist()
                     finished[b].append((scores[b, k].item() / length**length_penalty, hypothesis))
+    if width > 1:  # the greedy decode competes (with beam_size 1 it is the beam)
+        ids = {"bos_id": bos_id, "eos_id": eos_id, "max_new_tokens": max_new_tokens, "never": never}
+        greedy, totals = _decode(model, encoded, source_mask, **ids, greedy=True)
+        for b, (hypothesis, total) in enumerate(zip(greedy, totals, strict=True)):
+            length = len(hypothesis) + 1 if len(hypothesis) < max_new_tokens else len(hypothesis)
+            finished[b].append((total / max(length, 1) ** length_penalty, hypothesis))
     return [max(hypotheses, key=lambda h: h[0])[1] for hypotheses in finished]

@@ -18,9 +18,10 @@ from torchmetrics import MeanMetric, SumMetric
 from data.metrics import character_error_rate
 from data.seq2seq import pad_sequences
 from data.tokenizer import tokenizer_from_dict
+from model.checkpoint import build_model
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
-from model.gpt import GPT, GPTConfig
+from model.gpt import GPTConfig
 from model.update_guard import UpdateGuard
 
 # query labels and key labels of an attention map, by the map's name
@@ -368,16 +369,7 @@ def greedy_decodes(
     return outputs
 
 
-MODELS = {"gpt": (GPTConfig, GPT), "encdec": (EncDecConfig, EncoderDecoder)}
 MODULES = {GPTConfig: LanguageModelModule, EncDecConfig: Seq2SeqModule}
-
-
-def build_model(kind: str, config: dict) -> GPT | EncoderDecoder:
-    """The network of a checkpoint or run: its kind and its config dict."""
-    if kind not in MODELS:
-        raise ValueError(f"unknown model kind {kind!r}; known kinds are {sorted(MODELS)}")
-    config_class, model_class = MODELS[kind]
-    return model_class(config_class.from_dict(config))
 
 
 def module_for(config: GPTConfig | EncDecConfig) -> type[TrainingModule]:

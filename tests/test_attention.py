@@ -17,8 +17,6 @@ from model.attention import (
 )
 from model.layers import RotaryEmbedding, alibi_slopes
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 

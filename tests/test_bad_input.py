@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import run_script
+from helpers import run_script
 
 # (id, script, overrides, what the message says). {tmp} is this module's folder of inputs,
 # {run} a trained GPT's run directory. "hydra:" cases are Hydra's own multi-line messages.

@@ -10,8 +10,6 @@ from model.attention import AttentionConfig
 from model.encdec import DecoderCache, EncDecConfig, EncoderDecoder
 from model.generation import beam_search, decode_greedy_or_sample
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 PAD, BOS, EOS = 0, 1, 2
 FIRST_WORD = 3
 
@@ -121,39 +119,33 @@ def test_beam_size_one_is_greedy():
     assert len({tuple(out) for out in outputs}) > 5
 
 
-def test_wider_beam_scores_at_least_as_well_as_greedy_on_aggregate():
-    """Beam search is not exact. Here it stops a source as soon as beam_size hypotheses have
-    finished (what makes beam_size=1 exactly greedy), dropping the unfinished beams even when,
-    length-normalised, they are better. So a wider beam can lose to greedy, and then always by
-    returning a shorter finished hypothesis where greedy went on longer. Elsewhere it never
-    loses, and often wins."""
-    max_new_tokens, length_penalty = 8, 1.0
-    not_worse = better = cases = 0
+def test_wider_beam_never_scores_below_greedy_and_often_above():
+    """The early stop (a source is done once beam_size hypotheses have finished) can drop
+    unfinished beams that are better, length-normalised; the greedy decode competing with the
+    beam is what keeps the promise in every case, not on aggregate."""
+    max_new_tokens = 8
+    better = cases = 0
     for seed in range(10):
         model = random_model(seed, sharpness=(1.0, 5.0, 10.0)[seed % 3])
         source, mask = padded_sources(seed, 9, [7, 4, 6, 2])
         kwargs = decode_kwargs(max_new_tokens)
         greedy = decode_greedy_or_sample(model, source, mask, greedy=True, **kwargs)
-        beam = beam_search(
-            model, source, mask, beam_size=4, length_penalty=length_penalty, **kwargs
-        )
-        for i in range(source.size(0)):
-            greedy_score, beam_score = normalised_scores(
-                model,
-                source[i : i + 1],
-                mask[i : i + 1],
-                [greedy[i], beam[i]],
-                max_new_tokens,
-                length_penalty,
-            ).tolist()
-            cases += 1
-            if beam_score >= greedy_score - 1e-6:
-                not_worse += 1
+        for length_penalty in (0.0, 1.0, 2.0):
+            beam = beam_search(
+                model, source, mask, beam_size=4, length_penalty=length_penalty, **kwargs
+            )
+            for i in range(source.size(0)):
+                greedy_score, beam_score = normalised_scores(
+                    model,
+                    source[i : i + 1],
+                    mask[i : i + 1],
+                    [greedy[i], beam[i]],
+                    max_new_tokens,
+                    length_penalty,
+                ).tolist()
+                cases += 1
+                assert beam_score >= greedy_score - 1e-6, (seed, i, length_penalty)
                 better += beam_score > greedy_score + 1e-6
-            else:  # the early stop: a finished hypothesis, shorter than greedy's
-                assert len(beam[i]) < len(greedy[i]), (seed, i, greedy[i], beam[i])
-                assert len(beam[i]) < max_new_tokens
-    assert not_worse >= 0.8 * cases
     assert better >= 0.3 * cases
 
 
@@ -161,6 +153,13 @@ def test_wider_beam_scores_at_least_as_well_as_greedy_on_aggregate():
 def reference_beam_search(model, source, source_mask, beam_size, max_new_tokens, length_penalty):
     """The rule of beam_search's docstring, for one source (1, S), written plainly: no batch, no
     cache, every step a full teacher-forced decode of the live beams."""
+    greedy = decode_greedy_or_sample(
+        model, source, source_mask, greedy=True, **decode_kwargs(max_new_tokens)
+    )[0]
+    greedy_score = normalised_scores(
+        model, source, source_mask, [greedy], max_new_tokens, length_penalty
+    ).item()
+    greedy_floor = [(greedy_score, greedy)] if beam_size > 1 else []
     beams = [(0.0, [])]  # (summed log-probability, tokens after BOS)
     finished = []
     for step in range(max_new_tokens):
@@ -185,9 +184,9 @@ def reference_beam_search(model, source, source_mask, beam_size, max_new_tokens,
             elif rank < beam_size:  # EOS among the step's top beam_size: finished
                 finished.append((total / (step + 1) ** length_penalty, tokens))
         if len(finished) >= beam_size or not beams:
-            return max(finished, key=lambda f: f[0])[1]
+            return max(finished + greedy_floor, key=lambda f: f[0])[1]
     cut_off = [(total / max_new_tokens**length_penalty, tokens) for total, tokens in beams]
-    return max(finished + cut_off, key=lambda f: f[0])[1]
+    return max(finished + cut_off + greedy_floor, key=lambda f: f[0])[1]
 
 
 @pytest.mark.parametrize("beam_size, length_penalty", [(2, 1.0), (3, 0.0), (4, 0.6), (5, 2.0)])

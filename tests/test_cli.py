@@ -1,56 +1,13 @@
 """End to end through the real command line: train.py writes a run, generate.py samples it."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from data.tokenizer import tokenizer_from_dict
+from helpers import TINY, run_script, train_run
 from wandb_offline import config, history
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.n_layer=2",
-    "model.n_embd=64",
-    "model.block_size=64",
-    "model.attention.n_head=4",
-    "data.batch_size=16",
-    "trainer.max_steps=80",
-    "trainer.val_check_interval=20",
-    "trainer.limit_val_batches=4",
-    "trainer.num_sanity_val_steps=0",
-    "optim.warmup_steps=10",
-    "callbacks.attention_maps.every_n_steps=40",
-    "callbacks.attention_maps.sample_length=24",
-    "sample.max_new_tokens=40",
-]
-
-
-def run_script(
-    script: str, *overrides: str, cache_dir: Path, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TINYFORMER_CACHE": str(cache_dir), "WANDB_SILENT": "true", **(env or {})}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / script), *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def train_run(run_dir: Path, *overrides: str, cache_dir: Path) -> Path:
-    """Run train.py into `run_dir`, fail the test with its stderr if it fails, keep its stdout
-    as run_dir/stdout.txt, and return run_dir."""
-    result = run_script("train.py", *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir / "stdout.txt").write_text(result.stdout)
-    return run_dir
 
 
 @pytest.fixture(scope="module")

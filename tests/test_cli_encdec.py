@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import run_script, train_run
+from helpers import run_script, train_run
 from wandb_offline import history
 
 TINY_ENCDEC = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import TINY, run_script, train_run
+from helpers import TINY, run_script, train_run
 from wandb_offline import config, history
 
 SPEECH = "{name}:\nWhat light through yonder window breaks? It is the east, number {i}.\n"

@@ -6,17 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from data import (
-    CharTokenizer,
-    LMDataConfig,
-    LMDataModule,
-    load_shakespeare,
-    load_tokenizer,
-    normalise_play,
-    shakespeare_files,
-    tokenizer_from_dict,
-    train_val_split,
-)
+from data.lm import LMDataConfig, LMDataModule
+from data.sources import load_shakespeare, normalise_play, shakespeare_files, train_val_split
+from data.tokenizer import CharTokenizer, load_tokenizer, tokenizer_from_dict
 
 BLOCK, BATCH = 32, 8
 

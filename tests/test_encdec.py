@@ -5,12 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from model.attention import AttentionConfig
-from model.attention_maps import record_attention
 from model.blocks import POSITIONS
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.generation import beam_search, decode_greedy_or_sample
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+from model.inspect import record_attention
 
 VOCAB = 13
 PAD, BOS, EOS = 0, 1, 2
@@ -252,11 +250,16 @@ def test_cross_attention_projects_the_memory_once_per_decode():
             model.decode(target_in[:, :t], memory, mask)
         assert k_counts == [7, 7] and v_counts == [7, 7]
 
-        for decode, extra in ((decode_greedy_or_sample, {"greedy": True}), (beam_search, {})):
+        # Beam search runs two decodes, the beam's and greedy's (which competes with it).
+        for decode, extra, passes in (
+            (decode_greedy_or_sample, {"greedy": True}, 1),
+            (beam_search, {"beam_size": 1}, 1),
+            (beam_search, {"beam_size": 3}, 2),
+        ):
             k_counts[:] = q_counts[:] = [0, 0]
             decode(model, source, mask, bos_id=BOS, eos_id=EOS, max_new_tokens=6, **extra)
-            assert q_counts[0] > 1, decode.__name__  # several steps were taken
-            assert k_counts == [1, 1], decode.__name__
+            assert q_counts[0] > passes, decode.__name__  # several steps were taken
+            assert k_counts == [passes, passes], (decode.__name__, extra)
     finally:
         for handle in handles:
             handle.remove()
@@ -278,12 +281,12 @@ def reverse_task(n_pairs: int, max_len: int):
     return source, source_mask, target_in, target_in != PAD, targets, outputs
 
 
-def test_overfits_small_batch_then_greedy_reproduces_targets():
+def test_overfits_small_batch_then_decoders_reproduce_targets_that_are_clearly_best():
     model = tiny_model("learned", n_encoder_layer=1, n_decoder_layer=2).train()
     source, source_mask, target_in, target_mask, targets, outputs = reverse_task(8, 6)
     optimizer = torch.optim.AdamW(model.optimizer_groups(0.0), lr=1e-2)
     first_loss = None
-    for _ in range(400):
+    for _ in range(600):
         _, loss = model(source, target_in, source_mask, target_mask, targets)
         first_loss = first_loss or loss.item()
         optimizer.zero_grad(set_to_none=True)
@@ -294,7 +297,23 @@ def test_overfits_small_batch_then_greedy_reproduces_targets():
     assert first_loss > 2.0  # starts near uniform (log 13 = 2.56)
     assert loss.item() < 0.01
     model.eval()
-    kwargs = {"bos_id": BOS, "eos_id": EOS, "max_new_tokens": 12}
+    max_new_tokens = 12
+    with torch.no_grad():
+        log_probs = model(source, target_in, source_mask, target_mask)[0].double().log_softmax(-1)
+    for i, out in enumerate(outputs):
+        steps = log_probs[i, : len(out) + 1]  # the target tokens, then EOS
+        target = torch.tensor([*out, EOS])
+        chosen = steps.gather(-1, target[:, None]).squeeze(-1)
+        best_other = steps.scatter(-1, target[:, None], float("-inf")).max(-1).values
+        # Greedy is certain to follow the target: each of its tokens wins by a clear margin.
+        assert (chosen - best_other).min() > 1.0, (i, chosen, best_other)
+        # And no other sequence can score as well under beam search's mean log-probability
+        # (length_penalty 1): one that leaves the target at step k scores at most its prefix
+        # plus the best other token there, spread over the longest possible length.
+        prefix = torch.cat((torch.zeros(1, dtype=chosen.dtype), chosen.cumsum(0)[:-1]))
+        best_deviation = ((prefix + best_other) / max_new_tokens).max()
+        assert chosen.mean() > best_deviation + 0.1, (i, chosen.mean(), best_deviation)
+    kwargs = {"bos_id": BOS, "eos_id": EOS, "max_new_tokens": max_new_tokens}
     assert decode_greedy_or_sample(model, source, source_mask, greedy=True, **kwargs) == outputs
     assert beam_search(model, source, source_mask, beam_size=3, **kwargs) == outputs
 

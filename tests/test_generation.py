@@ -7,8 +7,6 @@ from model.attention import AttentionConfig
 from model.generation import filter_logits, generate, next_token
 from model.gpt import GPT, GPTConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 VOCAB = 29
 
 

@@ -10,8 +10,6 @@ from model.attention import AttentionConfig
 from model.gpt import GPT, POSITIONS, GPTConfig
 from model.layers import INIT_STD, AddedPositions, sinusoidal_encoding
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 VOCAB = 23
 
 

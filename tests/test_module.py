@@ -15,7 +15,7 @@ TEXT = "\n\n".join(f"Speaker {i}:\nSome words, and more words; line {i % 7}." fo
 
 
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
-def test_bits_per_char_is_loss_per_character_of_val_text(tmp_path, tokenizer, one_thread):
+def test_bits_per_char_is_loss_per_character_of_val_text(tmp_path, tokenizer):
     (tmp_path / "corpus.txt").write_text(TEXT)  # ASCII: each character is one byte
     data = LMDataModule(
         source="text_files",

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import run_script
 from model.module import OptimConfig
-from test_cli import run_script
 from wandb_offline import config, history, run_files, run_info
 
 # A tiny model with dropout (so resuming must restore the random streams too), validated and

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from data import load_shakespeare, load_tokenizer, train_val_split
 from data.metrics import character_error_rate, levenshtein
 from data.pairs import next_line_pairs, passages
 from data.seq2seq import (
@@ -20,6 +19,8 @@ from data.seq2seq import (
     Seq2SeqDataModule,
     collate_pairs,
 )
+from data.sources import load_shakespeare, train_val_split
+from data.tokenizer import load_tokenizer
 
 BATCH = 16
 ARRAYS = [

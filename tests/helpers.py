@@ -1,0 +1,83 @@
+"""What the tests share: the project root and running its commands as a user would, in an
+environment that is the same on every machine."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A GPT that trains in seconds: the end-to-end tests' default run.
+TINY = [
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "model.block_size=64",
+    "model.attention.n_head=4",
+    "data.batch_size=16",
+    "trainer.max_steps=80",
+    "trainer.val_check_interval=20",
+    "trainer.limit_val_batches=4",
+    "trainer.num_sanity_val_steps=0",
+    "optim.warmup_steps=10",
+    "callbacks.attention_maps.every_n_steps=40",
+    "callbacks.attention_maps.sample_length=24",
+    "sample.max_new_tokens=40",
+]
+
+# Variables of the caller's shell that change what a run does: a cluster's or launcher's ranks
+# and ports (Lightning would join a process group), W&B's mode and service, a full traceback
+# instead of one line, and thread counts (other float results).
+FOREIGN = ("WANDB_", "HYDRA_", "SLURM_", "TORCHELASTIC_", "PL_", "LOCAL_RANK", "NODE_RANK")
+FOREIGN_EXACT = {"RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+# The libraries' caches and settings, which conftest.py points at a private folder per test
+# process (and which the commands the tests start inherit): folder names inside it.
+CACHE_VARIABLES = {
+    "HF_HOME": "hf",
+    "HF_DATASETS_CACHE": "hf/datasets",
+    "WANDB_CONFIG_DIR": "wandb/config",
+    "WANDB_CACHE_DIR": "wandb/cache",
+    "WANDB_DATA_DIR": "wandb/data",
+    "MPLCONFIGDIR": "matplotlib",
+}
+
+
+def clean_env(cache_dir: Path, **extra: str) -> dict[str, str]:
+    """os.environ less what FOREIGN names, with the prepared-data cache at `cache_dir`, one
+    thread per process (the suite's processes run side by side, and one thread computes the
+    same floats everywhere) and W&B offline and quiet."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key in CACHE_VARIABLES or not (key.startswith(FOREIGN) or key in FOREIGN_EXACT)
+    }
+    return {
+        **env,
+        "TINYFORMER_CACHE": str(cache_dir),
+        "OMP_NUM_THREADS": "1",
+        "WANDB_SILENT": "true",
+        **extra,
+    }
+
+
+def run_script(
+    script: str, *arguments: str, cache_dir: Path, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run one of the project's commands (train.py, generate.py, report.py) from the root."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *arguments],
+        cwd=ROOT,
+        env=clean_env(cache_dir, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def train_run(run_dir: Path, *overrides: str, cache_dir: Path) -> Path:
+    """Run train.py into `run_dir`, fail the test with its stderr if it fails, keep its stdout
+    as run_dir/stdout.txt, and return run_dir."""
+    result = run_script("train.py", *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir / "stdout.txt").write_text(result.stdout)
+    return run_dir
