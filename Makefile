@@ -20,11 +20,15 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
+# One test worker per core (pytest-xdist); the files whose tests share a trained run stay on one
+# worker (--dist loadgroup). PYTEST_ARGS='-n 0' runs in one process.
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadgroup
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from filelock import FileLock
 
-from helpers import CACHE_VARIABLES
+from helpers import CACHE_VARIABLES, TINY, train_run
 
 # Tests import the project's packages and helpers (tests/helpers.py) by plain name.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,3 +42,29 @@ def same_random_state():
 def remove_private_caches():
     yield
     shutil.rmtree(_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder for this test session's shared products: under pytest-xdist, the one all
+    workers of this run see (each worker's base temp is a subfolder of it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def shared_cache(shared_dir) -> Path:
+    """One prepared-data cache for the session: its entries are built once, under the cache's
+    own lock, whichever test or worker asks first."""
+    return shared_dir / "cache"
+
+
+@pytest.fixture(scope="session")
+def trained_run(shared_dir, shared_cache) -> Path:
+    """A tiny GPT trained once per session (W&B offline, attention maps, checkpoints), for the
+    tests that only need *a* trained run and do not change it."""
+    run_dir = shared_dir / "trained_run"
+    with FileLock(str(shared_dir / "trained_run.lock")):
+        if not (run_dir / "stdout.txt").is_file():  # written last, once the run succeeded
+            train_run(run_dir, *TINY, cache_dir=shared_cache)
+    return run_dir

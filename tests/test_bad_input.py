@@ -65,7 +65,7 @@ CASES = [
     ("zero_temperature", "generate.py", ["ckpt={run}", "temperature=0"],
      "error: temperature must be > 0, got 0: use decoding=greedy for argmax"),
     ("prompt_outside_vocabulary", "generate.py", ["ckpt={run}", "prompt='ROMEO☃'"],
-     "error: prompt='ROMEO☃'"),
+     "error: prompt='ROMEO☃': text contains 1 character(s) not in the vocabulary: '☃'"),
     ("beam_search_on_a_gpt", "generate.py", ["ckpt={run}", "decoding=beam"],
      "error: decoding=beam is for encoder-decoder checkpoints"),
     ("source_for_a_gpt", "generate.py", ["ckpt={run}", "source=hello"],
@@ -73,7 +73,8 @@ CASES = [
     ("unknown_device", "generate.py", ["ckpt={run}", "device=tpu"],
      "error: device='tpu' is not available here"),
     ("generate_missing_checkpoint", "generate.py", ["ckpt={tmp}/nope"],
-     "error: checkpoint {tmp}/nope does not exist"),
+     "error: checkpoint {tmp}/nope does not exist: pass ckpt=<run dir> (runs live under "
+     "outputs/) or ckpt=<file.ckpt>"),
     ("generate_checkpoint_that_runs_code", "generate.py", ["ckpt={tmp}/evil.ckpt"],
      "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
     ("generate_foreign_checkpoint", "generate.py", ["ckpt={tmp}/foreign.ckpt"],
@@ -94,23 +95,15 @@ class RunsCode:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> dict[str, Path]:
+def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("bad_inputs")
-    cache = tmp_path_factory.mktemp("bad_inputs_cache")
-    run = tmp / "run"
-    tiny = ["model.n_layer=1", "model.n_embd=32", "model.block_size=32", "data.batch_size=8"]
-    tiny += ["trainer.max_steps=10", "trainer.val_check_interval=10", "trainer.limit_val_batches=2"]
-    tiny += ["sample.max_new_tokens=5", "logger=none", f"hydra.run.dir={run}"]
-    result = run_script("train.py", *tiny, cache_dir=cache)
-    assert result.returncode == 0, result.stderr[-3000:]
-
     (tmp / "empty.txt").write_text("")
     (tmp / "short.txt").write_text("\n\n".join(f"line {i}" for i in range(30)))
     torch.save({"state_dict": {}, "payload": RunsCode(tmp / "pwned")}, tmp / "evil.ckpt")
     torch.save(torch.ones(3), tmp / "foreign.ckpt")
-    last = (run / "checkpoints" / "last.ckpt").read_bytes()
+    last = (trained_run / "checkpoints" / "last.ckpt").read_bytes()
     (tmp / "truncated.ckpt").write_bytes(last[: len(last) // 2])
-    return {"tmp": tmp, "run": run, "cache": cache}
+    return {"tmp": tmp, "run": trained_run, "cache": shared_cache}
 
 
 @pytest.mark.slow

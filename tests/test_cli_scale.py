@@ -12,6 +12,9 @@ import torch
 from helpers import TINY, run_script, train_run
 from wandb_offline import config, history
 
+# One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.
+pytestmark = pytest.mark.xdist_group("ddp_run")
+
 SPEECH = "{name}:\nWhat light through yonder window breaks? It is the east, number {i}.\n"
 
 
@@ -60,7 +63,8 @@ def test_ddp_cpu_ranks_train_on_disjoint_batches(ddp_run):
 
 
 @pytest.mark.slow
-def test_text_files_run_trains_and_generates(tmp_path, cache):
+def test_text_files_run_trains_and_generates(tmp_path):
+    cache = tmp_path / "cache"  # its own: the test deletes an entry
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     names = ["ROMEO", "JULIET", "NURSE"]

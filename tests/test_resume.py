@@ -16,6 +16,9 @@ from helpers import run_script
 from model.module import OptimConfig
 from wandb_offline import config, history, run_files, run_info
 
+# One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.
+pytestmark = pytest.mark.xdist_group("resume")
+
 # A tiny model with dropout (so resuming must restore the random streams too), validated and
 # checkpointed every 10 steps, deterministic kernels.
 TINY = [
@@ -76,11 +79,10 @@ def straight(tmp_path_factory, cache) -> Path:
 @pytest.mark.parametrize(
     ("signum", "step", "status"),
     [
-        (signal.SIGKILL, 20, -signal.SIGKILL),  # right after the step-20 checkpoint
         (signal.SIGTERM, 25, 128 + signal.SIGTERM),  # between checkpoints
         (signal.SIGINT, 25, 128 + signal.SIGINT),
     ],
-    ids=["SIGKILL", "SIGTERM", "SIGINT"],
+    ids=["SIGTERM", "SIGINT"],
 )
 def test_killed_run_resumes_to_the_same_weights_and_history(
     tmp_path, cache, straight, signum, step, status
@@ -91,17 +93,14 @@ def test_killed_run_resumes_to_the_same_weights_and_history(
     )
     assert killed.returncode == status, killed.stderr[-3000:]
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
-    if signum == signal.SIGKILL:
-        assert saved["global_step"] == 20  # the last checkpoint before the kill
-    else:
-        # A stop signal ends the step under way and checkpoints it.
-        assert saved["global_step"] == step + 1
-        name = signal.Signals(signum).name
-        assert (
-            f"stopped by {name} after step {step + 1}; saved {run_dir}/checkpoints/last.ckpt; "
-            f"continue with: python train.py ckpt_path={run_dir}"
-        ) in killed.stderr
-        assert json.loads((run_dir / "summary.json").read_text())["status"] == f"stopped by {name}"
+    # A stop signal ends the step under way and checkpoints it.
+    assert saved["global_step"] == step + 1
+    name = signal.Signals(signum).name
+    assert (
+        f"stopped by {name} after step {step + 1}; saved {run_dir}/checkpoints/last.ckpt; "
+        f"continue with: python train.py ckpt_path={run_dir}"
+    ) in killed.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == f"stopped by {name}"
 
     # The run's directory alone is enough: the resumed run composes its config from the
     # overrides the checkpoint recorded (the fault fires only in a run started afresh).
@@ -141,17 +140,42 @@ def test_two_process_ddp_run_resumes_exactly(tmp_path, cache):
 
 
 @pytest.mark.slow
-def test_ckpt_path_last_resumes_or_starts_afresh(tmp_path, cache, straight):
-    """ckpt_path=last with a fixed run directory: one command a pre-empted job can repeat."""
+def test_sigkilled_job_repeating_its_command_with_ckpt_path_last_resumes_exactly(
+    tmp_path, cache, straight
+):
+    """ckpt_path=last with a fixed run directory: one command a pre-empted job can repeat. The
+    kill comes right after the step-20 checkpoint; the run logs to W&B offline."""
     run_dir = tmp_path / "run"
-    command = [*TINY, f"hydra.run.dir={run_dir}", "ckpt_path=last"]
-    first = train(cache, *command, *fault("SignalAt", step=20, signum=signal.SIGKILL))
-    assert first.returncode == -signal.SIGKILL
-    assert "no checkpoint in" in first.stdout and "starts from scratch" in first.stdout
-    again = train(cache, *command)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "at step 20" in again.stdout
+    command = [*TINY, "logger=wandb", f"hydra.run.dir={run_dir}", "ckpt_path=last"]
+    killed = train(cache, *command, *fault("SignalAt", step=20, signum=signal.SIGKILL))
+    assert killed.returncode == -signal.SIGKILL
+    assert "no checkpoint in" in killed.stdout and "starts from scratch" in killed.stdout
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 20  # the last checkpoint before the kill
+
+    resumed = train(cache, *command)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {run_dir}/checkpoints/last.ckpt at step 20" in resumed.stdout
+    final, expected = weights(run_dir), weights(straight)
+    assert final.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
     assert losses(run_dir) == losses(straight)
+    assert "SignalAt" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert (run_dir / ".hydra" / "resume-1" / "overrides.yaml").is_file()
+
+    # Offline, the resumed W&B run is a new run in the killed one's group.
+    first, second = run_files(run_dir)
+    # W&B's writer process dies with a SIGKILLed run and may lose what it had not flushed (here:
+    # everything but the header), so the killed run's id is read from its file's name.
+    first_id = first.stem.removeprefix("run-")
+    resumed_run = run_info(second)
+    assert resumed_run["id"] != first_id
+    assert resumed_run["group"] == first_id  # the W&B UI shows the two together
+    assert config(second)["resumed_from"]["step"] == 20
+    # The history goes on at the restored step.
+    steps = [row["trainer/global_step"] for row in history(second) if "train/loss" in row]
+    assert steps == [29, 39]  # Lightning logs the step before it counts it: 30 and 40
 
 
 @pytest.mark.slow
@@ -179,28 +203,6 @@ def test_resume_refuses_changed_model(tmp_path, cache, straight):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: ckpt_path={straight}/checkpoints/last.ckpt cannot resume")
     assert "model.n_layer: 1 in the checkpoint, 2 now" in lines[0]
-
-
-@pytest.mark.slow
-def test_offline_wandb_resume_is_a_new_run_in_the_same_group(tmp_path, cache):
-    run_dir = tmp_path / "run"
-    overrides = [*TINY, "logger=wandb", f"hydra.run.dir={run_dir}"]
-    killed = train(cache, *overrides, *fault("SignalAt", step=20, signum=signal.SIGKILL))
-    assert killed.returncode == -signal.SIGKILL
-    resumed = train(cache, f"ckpt_path={run_dir}")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-
-    first, second = run_files(run_dir)
-    # W&B's writer process dies with a SIGKILLed run and may lose what it had not flushed (here:
-    # everything but the header), so the killed run's id is read from its file's name.
-    first_id = first.stem.removeprefix("run-")
-    resumed_run = run_info(second)
-    assert resumed_run["id"] != first_id
-    assert resumed_run["group"] == first_id  # the W&B UI shows the two together
-    assert config(second)["resumed_from"]["step"] == 20
-    # The history goes on at the restored step.
-    steps = [row["trainer/global_step"] for row in history(second) if "train/loss" in row]
-    assert steps == [29, 39]  # Lightning logs the step before it counts it: 30 and 40
 
 
 @pytest.mark.slow

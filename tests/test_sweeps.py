@@ -99,7 +99,9 @@ def test_grid_runs_every_job_an_invalid_one_fails_alone_and_report_lists_them(tm
         assert [r["trainer/global_step"] for r in history(sweep / str(job)) if "val/loss" in r]
 
     # report.py in its own process, as a user runs it: W&B state stays out of this one.
-    reported = run_script("report.py", str(sweep), "--wandb", cache_dir=cache)
+    reported = run_script(
+        "report.py", str(sweep), "--wandb", cache_dir=cache, env={"WANDB_MODE": "offline"}
+    )
     assert reported.returncode == 0, reported.stderr[-3000:]
     text = (sweep / "report.md").read_text()
     assert text.strip() in reported.stdout
