@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import ROOT
 from model.checkpoint import load_safely, model_state
 from model.checkpoint_io import partial_path, save_durably
 from model.gpt import GPT, GPTConfig
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Saves a new checkpoint over argv[1], with a fault that kills the process (SIGKILL) midway:
 # "fsync" after the whole file is written but before its rename, "write" once half of its bytes

@@ -2,7 +2,6 @@
 parallel tokenisation, reused tokenizers, and cache entries built once under concurrency."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,8 +14,8 @@ import pytest
 
 from data.lm import LMDataModule
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from helpers import ROOT, clean_env
 
-ROOT = Path(__file__).resolve().parents[1]
 PARAGRAPHS = [
     f"Paragraph {i} of 0123456789: the quick brown fox {'jumps ' * (i % 5)}over dog {i}."
     for i in range(40)
@@ -200,7 +199,9 @@ PREPARE = textwrap.dedent(
 
     def slow_build(self, out):
         Path(cache, f"built-by-{name}").touch()
+        deadline = time.monotonic() + 120
         while len(list(Path(cache).glob("ready-*"))) < 2:  # the other process is on its way
+            assert time.monotonic() < deadline, "the other process never started"
             time.sleep(0.05)
         time.sleep(1)  # and now inside prepare_data, while this one builds
         real_build(self, out)
@@ -221,15 +222,20 @@ PREPARE = textwrap.dedent(
 def test_two_processes_preparing_one_entry_build_it_once(corpus, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = clean_env(cache, PYTHONPATH=str(ROOT))
 
     def start(name: str) -> subprocess.Popen:
         command = [sys.executable, "-c", PREPARE, str(corpus / "a.txt"), str(cache), name]
         return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
 
     processes = [start("first"), start("second")]
-    results = [json.loads(p.communicate(timeout=300)[0].splitlines()[-1]) for p in processes]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in processes]
+    finally:
+        for process in processes:
+            process.kill()  # a no-op for one that ended; never an orphan holding the lock
     assert [p.returncode for p in processes] == [0, 0]
+    results = [json.loads(output.splitlines()[-1]) for output in outputs]
     assert sorted(r["hit"] for r in results) == [False, True]
     assert len(list(cache.glob("built-by-*"))) == 1  # one writer; the other waited and reused
     assert results[0]["entry"] == results[1]["entry"]

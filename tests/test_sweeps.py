@@ -11,10 +11,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 import report
-from helpers import run_script
+from helpers import ROOT, run_script
 from wandb_offline import history, run_info
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model.n_layer=1",
     "model.n_embd=32",
