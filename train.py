@@ -12,6 +12,7 @@ import shlex
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -40,7 +41,7 @@ from generate import (
 )
 from model.attention_maps import AttentionMapLogger
 from model.checkpoint import load_safely
-from model.checkpoint_io import DurableCheckpointIO
+from model.checkpoint_io import DurableCheckpointIO, claim_run_dir
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.gpt import GPTConfig
 from model.module import (
@@ -152,6 +153,25 @@ def print_summary(trainer: L.Trainer, cfg: DictConfig, datamodule) -> None:
     print("sample:\n")
     stream_samples(model, tokenizer, sample, torch.device("cpu"))
     print(f"\nmore: {command} {shlex.quote(f'prompt={sample.prompt}')} max_new_tokens=500")
+
+
+def sample_prompt(prompt: str, tokenizer, datamodule: LMDataModule, overrides: list[str]) -> str:
+    """The end-of-run sample's prompt, checked before training: one the tokenizer cannot encode
+    is an error if the user gave it, and the default is replaced by the first character of
+    the validation text (the default, 'ROMEO:', suits only the embedded plays)."""
+    try:
+        tokenizer.encode(prompt)
+        return prompt
+    except ValueError as error:
+        if "sample.prompt" in {override_key(o) for o in overrides}:
+            raise ValueError(
+                f"sample.prompt={prompt!r}: {error}; give a prompt in this corpus's characters"
+            ) from None
+    fallback = tokenizer.decode(datamodule.val_sample(1).tolist())
+    print_once(
+        f"sample.prompt={prompt!r} is not in this corpus's vocabulary: sampling from {fallback!r}"
+    )
+    return fallback
 
 
 def describe_baseline(datamodule) -> str:
@@ -387,12 +407,32 @@ def check_run_options(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig) -> float | None:
+    """Train in cfg's run directory, as its one writer: a second run or a resume started there
+    while this one runs is refused (the other ranks of a distributed run write nothing)."""
+    run_dir = Path(cfg.paths.output_dir)
+    with claim_run_dir(run_dir) if rank_zero_only.rank == 0 else nullcontext():
+        return fit(cfg)
+
+
+def check_fresh_run_dir(cfg: DictConfig) -> None:
+    """A new run never overwrites another's checkpoints (a sweep job's directory is new)."""
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    if last.is_file() and not in_sweep():
+        raise ValueError(
+            f"hydra.run.dir={cfg.paths.output_dir} already holds a run ({last}): continue it "
+            f"with ckpt_path={cfg.paths.output_dir}, or choose another hydra.run.dir"
+        )
+
+
+def fit(cfg: DictConfig) -> float | None:
     started = time.perf_counter()
     # Everything a user can get wrong in the config is checked before any data is loaded.
     cfg, ckpt_path, checkpoint, overrides = prepare_resume(cfg)
+    if checkpoint is None:
+        check_fresh_run_dir(cfg)
     check_run_options(cfg)
     optim = OptimConfig(**cfg.optim)
-    SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True))
+    sample = SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True))
     model_config = instantiate_checked(cfg.model)
     datamodule = instantiate_checked(cfg.data)
     module_class = module_for(model_config)
@@ -421,6 +461,8 @@ def train(cfg: DictConfig) -> float | None:
     datamodule.prepare_data()
     datamodule.setup("fit")
     tokenizer = datamodule.tokenizer
+    if isinstance(datamodule, LMDataModule):
+        cfg.sample.prompt = sample_prompt(sample.prompt, tokenizer, datamodule, overrides)
     if resumed_tokenizer is not None and tokenizer.to_dict() != resumed_tokenizer:
         raise ValueError(
             f"ckpt_path={ckpt_path} was trained with another tokenizer than this data "
@@ -475,7 +517,10 @@ def train(cfg: DictConfig) -> float | None:
         write_summary(cfg.paths.output_dir, summary)
         if summary.get("seconds_to_first_step"):
             print(f"first optimizer step {summary['seconds_to_first_step']:.1f} s after start")
-        print_summary(trainer, cfg, datamodule)
+        try:
+            print_summary(trainer, cfg, datamodule)
+        except Exception as error:  # the run is complete and saved: a sample cannot undo that
+            print(f"warning: the end-of-run sample failed ({error})", file=sys.stderr)
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     if score is None:
         score = trainer.callback_metrics.get("val/loss")

@@ -1,38 +1,85 @@
 """Checkpoint files that survive a crash at any moment, and load without running code
-(model/checkpoint.py's load_safely)."""
+(model/checkpoint.py's load_safely); and the checkpoint callback of a run directory."""
 
+import errno
+import fcntl
 import os
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from model.checkpoint import load_safely
 
+# A write that fails for want of space: the user's to fix, so one line, not a traceback.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
-def partial_path(path: Path) -> Path:
-    """Where a checkpoint is written before it takes its name: hidden, and not a *.ckpt, so
-    nothing that looks for checkpoints ever picks a half-written one."""
-    return path.with_name(f".{path.name}.partial")
+
+def partial_files(path: Path) -> list[Path]:
+    """The temporary files of writes of `path` that never finished (a killed process)."""
+    return sorted(path.parent.glob(f".{path.name}.*.partial"))
 
 
 def save_durably(checkpoint: dict[str, Any], path: Path) -> None:
     """torch.save to a temporary file beside `path`, fsync it, rename it over `path` (atomic on
     POSIX), and fsync the folder so the rename itself survives a power cut. A process killed at
-    any point leaves either the old file or the new one at `path`, never a mix."""
+    any point leaves either the old file or the new one at `path`, never a mix.
+
+    The temporary name is hidden, no *.ckpt (nothing looking for checkpoints picks it) and
+    unique to this write, so two writers of one path never rename each other's half-written
+    file. A full disk is a ValueError naming the folder, and its temporary file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = partial_path(path)
-    with open(temporary, "wb") as f:
-        torch.save(checkpoint, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(temporary, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno in NO_SPACE:
+            raise ValueError(
+                f"no space left on the disk of {path.parent} to write {path.name} (the previous "
+                "checkpoint is intact): free some space and resume with "
+                f"ckpt_path={path.parent.parent}"
+            ) from None
+        raise
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def claim_run_dir(run_dir: Path) -> IO:
+    """Make this process the one writer of `run_dir`, or raise a ValueError naming the process
+    that is. The lock is a POSIX record lock on run_dir/.lock: it is released when this process
+    ends, however it ends (kill -9 included), and forked children do not inherit it. Keep the
+    returned file open for as long as the run writes. Temporary files of checkpoint writes
+    that a killed process left are removed: with the lock held, no write is under way."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ValueError(
+            f"{run_dir} is in use by {holder}: wait for that run to end (or stop it), or choose "
+            "another hydra.run.dir"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"process {os.getpid()}\n")
+    handle.flush()
+    for leftover in (run_dir / "checkpoints").glob(".*.partial"):
+        leftover.unlink()
+    return handle
 
 
 class DurableCheckpointIO(TorchCheckpointIO):
@@ -53,3 +100,53 @@ class DurableCheckpointIO(TorchCheckpointIO):
         if "://" in str(path):
             return super().load_checkpoint(path, weights_only=True)
         return load_safely(path, map_location or "cpu")
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint as a run directory needs it:
+
+    - last.ckpt at every validation and at the end of training (Lightning rewrites it only at
+      steps where it also saved a best checkpoint), so a killed run loses at most the steps
+      since its last validation and a finished run's last.ckpt is its final state;
+    - the best-checkpoint record survives a run directory that was moved or copied (Lightning
+      drops it when the folder's path changed): the record's files are found by name in the
+      folder the run has now.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_written_step = -1
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_written_step = trainer.global_step
+
+    def _save_last_if_behind(self, trainer: L.Trainer) -> None:
+        if trainer.sanity_checking or not self.save_last or trainer.global_step == 0:
+            return
+        if self._last_written_step != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._save_last_if_behind(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save_last_if_behind(trainer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_dir = state_dict.get("dirpath")
+        if saved_dir is None or self.dirpath is None or saved_dir == self.dirpath:
+            super().load_state_dict(state_dict)
+            return
+
+        def here(path: str) -> str:
+            return str(Path(self.dirpath) / Path(path).name) if path else path
+
+        moved = dict(state_dict, dirpath=self.dirpath)
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            moved[key] = here(state_dict.get(key, ""))
+        moved["best_k_models"] = {
+            here(path): score for path, score in state_dict.get("best_k_models", {}).items()
+        }
+        super().load_state_dict(moved)

@@ -109,13 +109,13 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("script", "overrides", "message"), [c[1:] for c in CASES],
                          ids=[c[0] for c in CASES])  # fmt: skip
-def test_bad_input_gets_one_line_and_status_1(inputs, script, overrides, message):
+def test_bad_input_gets_one_line_and_status_1(inputs, tmp_path, script, overrides, message):
     def fill(text: str) -> str:
         return text.format(tmp=inputs["tmp"], run=inputs["run"])
 
     overrides = [fill(o) for o in overrides]
     if script == "train.py":
-        overrides += ["logger=none", f"hydra.run.dir={inputs['tmp'] / 'failed_run'}"]
+        overrides += ["logger=none", f"hydra.run.dir={tmp_path / 'failed_run'}"]
     result = run_script(script, *overrides, cache_dir=inputs["cache"])
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr

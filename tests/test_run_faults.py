@@ -1,0 +1,195 @@
+"""What a careless user or an unkind machine does to a run directory, tried for real: a kill
+after a validation that was not a best, a corpus the default sample prompt does not fit, a run
+directory copied elsewhere and resumed, and two writers in one directory."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, clean_env, run_script
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "model.attention.n_head=2",
+    "data.batch_size=8",
+    "trainer.limit_val_batches=2",
+    "trainer.num_sanity_val_steps=0",
+    "callbacks.attention_maps.sample_length=16",
+    "sample.max_new_tokens=10",
+    "logger=csv",
+]
+# A learning rate so small that float32 weights do not move: every validation scores exactly
+# what the one before it did, so none after the first is a new best.
+FROZEN = ["optim.lr=1e-12", "optim.warmup_steps=1"]
+
+
+def train(cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return run_script("train.py", *overrides, cache_dir=cache, env={"PYTHONPATH": "tests"})
+
+
+def step_of(path: Path) -> int:
+    return torch.load(path, weights_only=True)["global_step"]
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    rows = json.loads((run_dir / "summary.json").read_text())["history"]
+    return {row["step"]: row["val/loss"] for row in rows if "val/loss" in row}
+
+
+def test_last_checkpoint_is_written_at_every_validation_and_at_the_end(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    command = [*TINY, *FROZEN, "trainer.val_check_interval=2", f"hydra.run.dir={run_dir}"]
+    kill = ["+callbacks.fault._target_=faults.SignalAt", "+callbacks.fault.step=6"]
+    killed = train(cache, *command, "trainer.max_steps=7", *kill, "+callbacks.fault.signum=9")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    checkpoints = run_dir / "checkpoints"
+    # Step 6's validation was no best (step 2's was), and last.ckpt holds step 6 all the same.
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["best-step2.ckpt", "last.ckpt"]
+    assert step_of(checkpoints / "last.ckpt") == 6
+
+    resumed = train(cache, f"ckpt_path={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert step_of(checkpoints / "last.ckpt") == 7  # the end of training, between validations
+
+
+def test_default_prompt_outside_the_vocabulary_falls_back_and_a_given_one_fails_early(tmp_path):
+    corpus = tmp_path / "lowercase.txt"
+    corpus.write_text("\n\n".join(f"a line of lowercase text, number {i}" for i in range(400)))
+    data = ["data=text_files", f"data.paths=[{corpus}]", "trainer.max_steps=4"]
+    data += ["trainer.val_check_interval=4"]
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    result = train(cache, *TINY, *data, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sample.prompt='ROMEO:' is not in this corpus's vocabulary: sampling from" in (
+        result.stdout
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["history"]
+
+    given = tmp_path / "given"
+    result = train(cache, *TINY, *data, "sample.prompt=ROMEO:", f"hydra.run.dir={given}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert (
+        errors
+        == result.stderr.strip().splitlines()[-1:]
+        == [
+            "error: sample.prompt='ROMEO:': text contains 5 character(s) not in the vocabulary: "
+            "'R', 'O', 'M', 'E', ':'; the char tokenizer's vocabulary was built from the training "
+            "corpus, so use only characters that occur there; give a prompt in this corpus's "
+            "characters"
+        ]
+    )
+    assert not (given / "checkpoints").exists()  # refused before training
+
+
+def test_a_copied_run_directory_keeps_its_best_checkpoint_record(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    first = [*TINY, "trainer.max_steps=10", "trainer.val_check_interval=10"]
+    result = train(cache, *first, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+    # Frozen weights: step 12 scores exactly what step 10 did, so step 10 stays the best.
+    more = ["trainer.max_steps=12", "trainer.val_check_interval=2", *FROZEN]
+    result = train(cache, f"ckpt_path={copy}", *more)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = val_losses(copy)
+    assert losses[12] == losses[10]
+    summary = json.loads((copy / "summary.json").read_text())
+    assert summary["best_val_loss"] == pytest.approx(losses[10])
+    assert sorted(p.name for p in (copy / "checkpoints").glob("*.ckpt")) == [
+        "best-step10.ckpt",
+        "last.ckpt",
+    ]
+    assert f"best checkpoint: {copy}/checkpoints/best-step10.ckpt" in result.stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # untouched
+
+
+WRITER = """
+import sys
+from pathlib import Path
+import torch
+sys.path.insert(0, {root!r})
+from model.checkpoint import load_safely
+from model.checkpoint_io import save_durably
+
+path, name = Path(sys.argv[1]), sys.argv[2]
+for i in range(40):
+    save_durably({{"writer": name, "i": i, "data": torch.full((1 << 16,), float(i))}}, path)
+    saved = load_safely(path)  # whole, whoever wrote it last
+    assert saved["data"].eq(float(saved["i"])).all(), "a mixed file"
+"""
+
+
+def test_two_processes_saving_one_checkpoint_never_publish_a_broken_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER.format(root=str(ROOT)), str(path), name],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
+    for writer in writers:
+        _, stderr = writer.communicate(timeout=300)
+        assert writer.returncode == 0, stderr[-3000:]
+    assert torch.load(path, weights_only=True)["i"] == 39
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no leftovers
+
+
+def test_one_writer_per_run_directory(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    command = [*TINY, "trainer.max_steps=100000", "trainer.val_check_interval=5"]
+    running = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *command, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=clean_env(cache),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "last.ckpt").is_file():
+            assert running.poll() is None, running.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the first run never wrote a checkpoint"
+            time.sleep(0.2)
+        in_use = f"error: {run_dir} is in use by process {running.pid}: wait for that run to end"
+        for second in (
+            [*command, f"hydra.run.dir={run_dir}"],  # a second run there
+            [f"ckpt_path={run_dir}"],  # a resume while the run goes on
+        ):
+            result = train(cache, *second)
+            assert result.returncode == 1
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(in_use), result.stderr[-3000:]
+        assert running.poll() is None  # untouched by the refused ones
+    finally:
+        running.send_signal(signal.SIGTERM)
+        running.communicate(timeout=300)
+    saved = step_of(run_dir / "checkpoints" / "last.ckpt")
+    assert saved >= 5
+
+    # A new run into the stopped run's directory would overwrite its checkpoints: refused.
+    result = train(cache, *command, "trainer.max_steps=10", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: hydra.run.dir={run_dir} already holds a run ({run_dir}/checkpoints/last.ckpt): "
+        f"continue it with ckpt_path={run_dir}, or choose another hydra.run.dir"
+    ]
+    assert step_of(run_dir / "checkpoints" / "last.ckpt") == saved
