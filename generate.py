@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
 from model.checkpoint import load_checkpoint
+from model.config import check_field_types
 from model.encdec import EncoderDecoder
 from model.generation import beam_search, decode_greedy_or_sample, decoding_ids, generate
 from model.gpt import GPT
@@ -93,6 +94,7 @@ class SamplingConfig:
     attention_plot: str | None = None  # encoder-decoder: PNG of the decode's cross-attention
 
     def __post_init__(self) -> None:
+        check_field_types(self, "")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens}")
         if self.decoding not in ("sample", "greedy", "beam"):
@@ -257,7 +259,11 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
-    exit_on_user_error(lambda: run(cfg))
+    try:
+        exit_on_user_error(lambda: run(cfg))
+    except KeyboardInterrupt:  # Ctrl-C: the text so far stays on screen, no traceback
+        print(file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -33,21 +33,33 @@ COLUMNS = [
 ]
 
 
+# The status of a job that started (Hydra wrote its record) but never wrote summary.json.
+UNFINISHED = "no summary.json: killed, or still running"
+
+
 def load_jobs(sweep_dir: Path) -> list[dict]:
-    """The jobs' summaries, in job order, each with its parsed overrides under "values"."""
-    paths = sorted(sweep_dir.glob("*/summary.json"), key=lambda p: (len(p.parent.name), p))
-    if not paths:
+    """The jobs' summaries, in job order, each with its parsed overrides under "values". A job
+    that started but never wrote its summary is listed too, as UNFINISHED."""
+    started = {p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")}
+    summarised = {p.parent for p in sweep_dir.glob("*/summary.json")}
+    folders = sorted(started | summarised, key=lambda p: (len(p.name), p))
+    if not summarised:
         raise FileNotFoundError(
             f"no */summary.json under {sweep_dir}: point report.py at the directory of a sweep "
             "made by `python train.py -m ...` (its jobs are numbered subdirectories)"
         )
     jobs = []
-    for path in paths:
-        job = json.loads(path.read_text())
-        job["dir"] = path.parent
+    for folder in folders:
+        if folder in summarised:
+            job = json.loads((folder / "summary.json").read_text())
+        else:
+            overrides = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text())
+            job = {"status": UNFINISHED, "overrides": overrides or []}
+            job["job"] = int(folder.name) if folder.name.isdigit() else None
+        job["dir"] = folder
         job["values"] = dict(o.split("=", 1) for o in job.get("overrides", []) if "=" in o)
         if job.get("job") is None:  # a single run's summary: name it by its directory
-            job["job"] = path.parent.name
+            job["job"] = folder.name
         jobs.append(job)
     return jobs
 

@@ -123,9 +123,11 @@ DATA_FOR = {
 }
 
 
-def check_model_fits_data(module_class: type, datamodule: L.LightningDataModule) -> None:
+def check_model_fits_data(module_class: type, data: DictConfig) -> None:
+    """Before the data config is instantiated: its interpolations may name keys that only the
+    fitting model has (a character GPT's data reads model.block_size)."""
     expected, choices = DATA_FOR[module_class]
-    if not isinstance(datamodule, expected):
+    if data.get("_target_") != f"{expected.__module__}.{expected.__name__}":
         picked = HydraConfig.get().runtime.choices
         raise ValueError(
             f"model={picked.get('model')} cannot train on data={picked.get('data')}: use {choices}"
@@ -393,8 +395,8 @@ def model_vocab_size(model_config: GPTConfig | EncDecConfig, tokens: int) -> int
 
 def check_run_options(cfg: DictConfig) -> None:
     """The top-level options that no dataclass validates."""
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
-        raise ValueError(f"seed must be an integer, got {cfg.seed!r}")
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
     if not isinstance(cfg.compile, bool):
         raise ValueError(f"compile must be true or false, got {cfg.compile!r}")
     check_nonfinite_action(cfg.on_nonfinite)
@@ -434,9 +436,9 @@ def fit(cfg: DictConfig) -> float | None:
     optim = OptimConfig(**cfg.optim)
     sample = SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True))
     model_config = instantiate_checked(cfg.model)
-    datamodule = instantiate_checked(cfg.data)
     module_class = module_for(model_config)
-    check_model_fits_data(module_class, datamodule)
+    check_model_fits_data(module_class, cfg.data)
+    datamodule = instantiate_checked(cfg.data)
     resumed_tokenizer = checkpoint["hyper_parameters"]["tokenizer"] if checkpoint else None
     stop = StopSignals()
     callbacks = [instantiate_checked(c) for c in (cfg.get("callbacks") or {}).values()]

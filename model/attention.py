@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.config import check_field_types
 from model.layers import RotaryEmbedding, alibi_bias, alibi_slopes
 
 
@@ -107,6 +108,7 @@ class AttentionConfig:
     dropout: float = 0.0  # on the attention weights
 
     def __post_init__(self) -> None:
+        check_field_types(self, "model.attention.")
         if not isinstance(self.n_head, int) or self.n_head < 1:
             raise ValueError(
                 f"model.attention.n_head must be a positive integer, got {self.n_head}"

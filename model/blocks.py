@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from torch import Tensor, nn
 
 from model.attention import AttentionConfig, KVCache, MultiHeadAttention
+from model.config import check_field_types
 from model.layers import INIT_STD, MLP
 
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
@@ -33,6 +34,7 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.attention, dict):
             self.attention = AttentionConfig(**self.attention)
+        check_field_types(self, "model.")
         if self.vocab_size is not None:
             check_positive_int("vocab_size", self.vocab_size)
         check_positive_int("n_embd", self.n_embd)

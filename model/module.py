@@ -19,6 +19,7 @@ from data.metrics import character_error_rate
 from data.seq2seq import pad_sequences
 from data.tokenizer import tokenizer_from_dict
 from model.checkpoint import build_model
+from model.config import check_field_types
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
 from model.gpt import GPTConfig
@@ -40,6 +41,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
 
     def __post_init__(self) -> None:
+        check_field_types(self, "optim.")
         if not self.lr > 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:

@@ -1,10 +1,14 @@
 """End to end through the real command line: train.py writes a run, generate.py samples it."""
 
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from data.tokenizer import tokenizer_from_dict
-from helpers import TINY, run_script, train_run
+from helpers import ROOT, TINY, clean_env, run_script, train_run
 from wandb_offline import config, history
 
 
@@ -114,3 +118,20 @@ def test_bad_override_fails_before_data_with_one_line(tmp_path):
     assert len(lines) == 1, result.stderr
     assert "n_embd=128" in lines[0] and "n_head=3" in lines[0]
     assert not cache_dir.exists(), "no data may be prepared for an invalid config"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_generate_without_a_traceback(trained_run, shared_cache):
+    command = [sys.executable, str(ROOT / "generate.py"), f"ckpt={trained_run}"]
+    generating = subprocess.Popen(
+        [*command, "max_new_tokens=1000000"],
+        cwd=ROOT,
+        env=clean_env(shared_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    streamed = generating.stdout.read(20)  # it is streaming text now
+    generating.send_signal(signal.SIGINT)
+    _, stderr = generating.communicate(timeout=120)
+    assert len(streamed) == 20
+    assert generating.returncode == 130 and b"Traceback" not in stderr, stderr.decode()[-3000:]

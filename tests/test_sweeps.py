@@ -114,6 +114,11 @@ def test_grid_runs_every_job_an_invalid_one_fails_alone_and_report_lists_them(tm
         assert any(key.startswith(name) for key in logged), (name, logged)
     assert list(summary_run.glob("files/media/table/sweep/table_*.table.json"))
 
+    # A job killed before its end leaves its Hydra record and no summary: listed as such.
+    (sweep / "2" / "summary.json").unlink()
+    text = report.report(sweep)
+    assert f"| 2 | 4 | {report.UNFINISHED} |" in text and "| 0 | 2 | completed |" in text
+
 
 @pytest.mark.slow
 def test_optuna_search_records_failed_and_best_trials(tmp_path, cache):
