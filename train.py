@@ -14,6 +14,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import lightning as L
@@ -509,10 +510,19 @@ def fit(cfg: DictConfig) -> float | None:
     except SIGTERMException:
         end_stopped_run(trainer, cfg, callbacks, started, stop)
     except TrainingDiverged as error:
-        if trainer.is_global_zero:
-            summary = run_summary(trainer, callbacks, started, "diverged", error=str(error))
-            write_summary(cfg.paths.output_dir, summary)
-        raise
+        end_diverged_run(trainer, cfg, callbacks, started, error)
+    if module.skipped_steps >= trainer.global_step > 0:
+        end_diverged_run(
+            trainer,
+            cfg,
+            callbacks,
+            started,
+            TrainingDiverged(
+                f"every one of the {trainer.global_step} steps had a non-finite loss or gradient "
+                "norm and was skipped (on_nonfinite=skip): the model learned nothing. Lower "
+                "optim.lr, or look for bad values in the data"
+            ),
+        )
 
     if trainer.is_global_zero:
         summary = run_summary(trainer, callbacks, started)
@@ -527,6 +537,16 @@ def fit(cfg: DictConfig) -> float | None:
     if score is None:
         score = trainer.callback_metrics.get("val/loss")
     return None if score is None else float(score)
+
+
+def end_diverged_run(
+    trainer: L.Trainer, cfg: DictConfig, callbacks: list, started: float, error: TrainingDiverged
+) -> NoReturn:
+    """A run whose loss went non-finite: its summary says so, and the error ends the command."""
+    if trainer.is_global_zero:
+        summary = run_summary(trainer, callbacks, started, "diverged", error=str(error))
+        write_summary(cfg.paths.output_dir, summary)
+    raise error
 
 
 def end_stopped_run(

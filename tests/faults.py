@@ -26,12 +26,13 @@ class SignalAt(L.Callback):
 
 
 class NaNGradientAt(L.Callback):
-    """Make one gradient NaN in step `step + 1`, after backward and before the update."""
+    """Make one gradient NaN in step `step + 1` (and in the `count - 1` steps after it), after
+    backward and before the update."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, count: int = 1) -> None:
+        self.step, self.count = step, count
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module, optimizer) -> None:
-        if trainer.ckpt_path is None and trainer.global_step == self.step:
+        if trainer.ckpt_path is None and 0 <= trainer.global_step - self.step < self.count:
             parameter = next(p for p in pl_module.parameters() if p.grad is not None)
             parameter.grad.view(-1)[0] = torch.nan

@@ -235,3 +235,19 @@ def test_nan_gradient_is_skipped_when_asked(tmp_path, cache):
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 40 and saved["skipped_steps"] == 1
     assert all(value.isfinite().all() for value in saved["state_dict"].values())
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_step_is_skipped_ends_diverged(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"hydra.run.dir={run_dir}", "on_nonfinite=skip", "trainer.max_steps=10"]
+    result = train(cache, *overrides, *fault("NaNGradientAt", step=0, count=10))
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: every one of the 10 steps had a non-finite loss or gradient norm and was "
+        "skipped (on_nonfinite=skip): the model learned nothing. Lower optim.lr, or look for "
+        "bad values in the data"
+    ]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["steps"] == 10
