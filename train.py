@@ -40,12 +40,12 @@ from generate import (
     load_run,
     stream_samples,
 )
-from model.attention_maps import AttentionMapLogger
 from model.checkpoint import load_safely
-from model.checkpoint_io import DurableCheckpointIO, claim_run_dir
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.gpt import GPTConfig
-from model.module import (
+from training.attention_maps import AttentionMapLogger
+from training.checkpoint_io import DurableCheckpointIO, claim_run_dir
+from training.module import (
     LanguageModelModule,
     OptimConfig,
     Seq2SeqModule,
@@ -54,8 +54,8 @@ from model.module import (
     greedy_decodes,
     module_for,
 )
-from model.resume import ResumeState, StopSignals
-from model.run_history import RunHistory
+from training.resume import ResumeState, StopSignals
+from training.run_history import RunHistory
 
 # Errors that end a run with a one-line message: the user's (config, files) and a diverged run.
 TRAIN_ERRORS = (*USER_ERRORS, MisconfigurationException, TrainingDiverged)

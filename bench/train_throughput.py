@@ -32,7 +32,7 @@ from runs import median_after, train  # noqa: E402
 
 from data.lm import LMDataModule  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from model.module import OptimConfig  # noqa: E402
+from training.module import OptimConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 20

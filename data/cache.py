@@ -1,14 +1,19 @@
 """Cache entries: directories of prepared data, named by a hash of what they were built from and
 written once, atomically, by one process while any others preparing the same entry (DDP ranks,
 multirun jobs) wait and then reuse it; and the data-module base that builds, loads and batches
-them."""
+them. Every use checks an entry against the sizes and checksums recorded when it was written,
+and a damaged one is rebuilt."""
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,8 +26,12 @@ from torch.utils.data import DataLoader, Dataset
 from data.sampler import RankShard, ResumableLoader, ResumableShuffle
 from data.tokenizer import CharTokenizer, load_tokenizer
 
-# A complete entry holds this file; it is the last one a build writes.
+# A complete entry holds this file; it is the last one a build writes (with write_marker).
 MARKER = "meta.json"
+# How long a process waits for another one's build before saying on stderr whom it waits for.
+WAIT_NOTICE_SECONDS = 5.0
+# What a write fails with when the disk, or the user's quota on it, is full.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def entry_path(cache_dir: str | os.PathLike, kind: str, key: object) -> Path:
@@ -32,41 +41,167 @@ def entry_path(cache_dir: str | os.PathLike, kind: str, key: object) -> Path:
     return Path(cache_dir) / kind / digest
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_marker(out: Path, meta: dict) -> None:
+    """Finish a build in `out`: write MARKER holding `meta` plus the size and SHA-256 of every
+    other file there, which each later use of the entry checks."""
+    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != MARKER)
+    record = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (out / MARKER).write_text(json.dumps({**meta, "files": record}, indent=2))
+
+
+def entry_problem(entry: Path) -> str | None:
+    """What is wrong with `entry` (a sentence), or None when it is complete and every file has
+    the size and checksum its MARKER recorded. Sizes catch truncated and missing files at the
+    cost of a stat; the SHA-256 (6 ms for the embedded corpus's 8.6 MB on a 2-core CPU) catches
+    the rest, such as blocks zeroed by a crash."""
+    if not entry.is_dir():
+        return "it does not exist"
+    try:
+        meta = json.loads((entry / MARKER).read_text())
+    except FileNotFoundError:
+        return f"it has no {MARKER}: its build never finished"
+    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or not JSON
+        return f"its {MARKER} cannot be read ({error})"
+    try:
+        recorded = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in meta["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return f"its {MARKER} records no file sizes and checksums (an older version wrote it)"
+    for name, (size, _) in recorded.items():
+        try:
+            actual = (entry / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} is {actual} bytes, not the {size} written"
+    for name, (_, checksum) in recorded.items():
+        try:
+            if _sha256(entry / name) != checksum:
+                return f"{name} does not match the checksum written with it"
+        except OSError as error:
+            return f"{name} cannot be read ({error})"
+    return None
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
+        return False
+
+
 @contextmanager
-def _exclusive(lock_file: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `lock_file` (the OS drops it if this process dies)."""
-    with open(lock_file, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+def _exclusive(lock_file: Path, entry: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_file` while building `entry`; after waiting for it for
+    WAIT_NOTICE_SECONDS, say once on stderr which process holds it.
+
+    A POSIX record lock (lockf) belongs to this process: the OS drops it when the process dies,
+    and processes forked meanwhile (`datasets.map`'s pool) do not inherit it. A flock would
+    belong to the open file, which such children keep open when their parent is killed, so
+    every later run would wait for them forever. Closing any descriptor of a file drops the
+    process's lockf locks on it, so this function is the only place that opens the lock file.
+    """
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        if not _try_lock(fd):
+            deadline = time.monotonic() + WAIT_NOTICE_SECONDS
+            while not _try_lock(fd):
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 256, 0).decode(errors="replace") or "another process"
+                    notice = f"waiting for {holder} to finish building the cache entry {entry}"
+                    print(notice, file=sys.stderr)
+                    fcntl.lockf(fd, fcntl.LOCK_EX)
+                    break
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _discard(path: Path) -> None:
+    """Remove the directory `path`: first renamed out of the way, so no reader ever sees it half
+    deleted, and a removal cut short leaves only a temporary directory."""
+    trash = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def disk_full_cause(error: BaseException | None) -> OSError | None:
+    """The full-disk OSError that is `error` or led to it (libraries wrap it), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _build_into_place(entry: Path, build: Callable[[Path], None]) -> None:
+    # Build in a private directory and rename it into place: a crash leaves only an orphan
+    # temp directory, and no reader ever sees half an entry. The rename also keeps entries
+    # whole on file systems where the lock does not hold across machines.
+    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, entry)
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Another process built it meanwhile, from beyond the lock's reach (another
+            # machine): keep its entry if intact, else put this one in its place.
+            if entry_problem(entry) is not None:
+                _discard(entry)
+                os.rename(tmp, entry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
-    """Make sure `entry` exists, calling `build(tmp_dir)` to fill it if needed; `build` must
-    write MARKER. Returns True when the entry was already there (a cache hit), including when
-    another process built it while this one waited for the lock."""
-    if (entry / MARKER).exists():
+    """Make sure `entry` exists and is intact, calling `build(tmp_dir)` to fill it if needed;
+    `build` must end with write_marker(). Returns True when the entry was already there (a
+    cache hit), including when another process built it while this one waited for the lock.
+    A damaged entry is rebuilt, saying so in one line on stderr; a full disk is a ValueError."""
+    if entry_problem(entry) is None:
         return True
     entry.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(entry.parent / f".{entry.name}.lock"):
-        if (entry / MARKER).exists():
-            return True
-        # Build in a private directory and rename it into place: a crash leaves only an orphan
-        # temp directory, and no reader ever sees half an entry. The rename also keeps entries
-        # whole on file systems where the lock does not hold across machines.
-        tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        try:
-            build(tmp)
-            try:
-                os.rename(tmp, entry)
-            except OSError:
-                if not (entry / MARKER).exists():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with _exclusive(entry.parent / f".{entry.name}.lock", entry):
+            problem = entry_problem(entry)
+            if problem is None:
+                return True
+            # Holding the lock, this process is the only one building this entry: the
+            # temporary directories of earlier builds belong to processes that died.
+            for leftover in entry.parent.glob(f".tmp-{entry.name}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            if entry.exists():
+                print(f"rebuilding the cache entry {entry}: {problem}", file=sys.stderr)
+                _discard(entry)
+            _build_into_place(entry, build)
+    except Exception as error:
+        disk_full = disk_full_cause(error)
+        if disk_full is None:
+            raise
+        raise ValueError(
+            f"the disk holding the data cache {entry.parent.parent} is full "
+            f"({disk_full.strerror}); free some space there, or move the cache to another disk "
+            "with TINYFORMER_CACHE=/other/dir (or paths.cache_dir=/other/dir)"
+        ) from error
     return False
 
 

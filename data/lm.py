@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.cache import CachedDataModule, entry_path
+from data.cache import CachedDataModule, entry_path, write_marker
 from data.sources import (
     TEXT_BUILDERS,
     expand_paths,
@@ -242,7 +242,10 @@ class LMDataModule(CachedDataModule):
         disk. Its `datasets` cache is named after this entry, so a rerun of a build that died
         halfway picks up the finished steps."""
         if isinstance(ds, datasets.Dataset):
-            kwargs["num_proc"] = self.config.num_proc if len(ds) > 1 else None
+            # num_proc=1 would still start a pool (one worker and a manager process): None maps
+            # in this process.
+            parallel = self.config.num_proc > 1 and len(ds) > 1
+            kwargs["num_proc"] = self.config.num_proc if parallel else None
             kwargs["new_fingerprint"] = f"{self.cache_entry.name}-{step}"
         return ds.map(function, batched=True, batch_size=BATCH_ROWS, **kwargs)
 
@@ -297,7 +300,7 @@ class LMDataModule(CachedDataModule):
             "val_chars": int(np.asarray(tokenizer.token_char_counts())[val_tokens].sum()),
             "val_chars_dropped": dropped,
         }
-        (out / "meta.json").write_text(json.dumps(meta, indent=2))
+        write_marker(out, meta)
 
     def _load(self, entry: Path) -> dict[str, np.ndarray]:
         meta = json.loads((entry / "meta.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from data.sources import expand_paths, load_hub
+from data.sources import datasets_cache_for, expand_paths, load_hub
 
 MIN_PASSAGE = 16  # shorter passages hold too little context to restore
 MASK = -1  # stands for <mask> in arrays of code points, before the tokenizer exists
@@ -156,7 +156,6 @@ def file_format(files: Sequence[Path]) -> str:
 def load_pair_texts(c) -> tuple[list[str], list[str]]:
     """The source and target columns of the local files or Hub dataset (rows with a missing
     value are skipped)."""
-    hf_cache = str(Path(c.cache_dir) / "hf")
     if c.hub_name:
         name = c.hub_name + (f" ({c.hub_config})" if c.hub_config else "")
         fix = "data=pairs data.paths=[pairs.jsonl]"
@@ -165,6 +164,7 @@ def load_pair_texts(c) -> tuple[list[str], list[str]]:
         files = expand_paths(c.paths, list(FILE_FORMATS))
         name = ", ".join(str(f) for f in files)
         data_files = [str(f) for f in files]
+        hf_cache = datasets_cache_for(files, c.cache_dir)  # an edit never reads a stale copy
         ds = datasets.load_dataset(
             file_format(files), data_files=data_files, split="train", cache_dir=hf_cache
         )

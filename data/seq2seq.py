@@ -3,7 +3,6 @@ from the Shakespeare corpus (`denoise`: restore a corrupted passage; `next_line`
 speech) or read from any dataset with two text columns (`pairs`), tokenized once into a cache
 and served as padded batches with padding masks."""
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.cache import CachedDataModule, entry_path
+from data.cache import CachedDataModule, entry_path, write_marker
 from data.metrics import character_error_rate
 from data.pairs import (
     FILE_FORMATS,
@@ -259,7 +258,7 @@ class Seq2SeqDataModule(CachedDataModule):
         elif c.task == "pairs":
             key |= {"seed": c.seed, "columns": [c.source_column, c.target_column]}
             key |= {"hub": [c.hub_name, c.hub_config]}
-            # Size and modification time, so an edited file gets a fresh entry.
+            # Each file's size, times and inode, so an edited file gets a fresh entry.
             if c.paths:
                 key["files"] = file_fingerprint(expand_paths(c.paths, list(FILE_FORMATS)))
         return key
@@ -281,7 +280,7 @@ class Seq2SeqDataModule(CachedDataModule):
                 np.save(out / f"{split}_{side}_ids.npy", seqs.flat.astype(dtype))
                 np.save(out / f"{split}_{side}_offsets.npy", seqs.offsets)
         tokenizer.save(out / "tokenizer.json")
-        (out / "meta.json").write_text(json.dumps(meta, indent=2))
+        write_marker(out, meta)
 
     def _load(self, entry: Path) -> dict[str, Split]:
         splits = {

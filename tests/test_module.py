@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from data.lm import LMDataModule
 from model.gpt import GPTConfig
-from model.module import LanguageModelModule
+from training.module import LanguageModelModule
 
 TEXT = "\n\n".join(f"Speaker {i}:\nSome words, and more words; line {i % 7}." for i in range(200))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import run_script
-from model.module import OptimConfig
+from training.module import OptimConfig
 from wandb_offline import config, history, run_files, run_info
 
 # One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.

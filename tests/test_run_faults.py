@@ -125,7 +125,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, {root!r})
 from model.checkpoint import load_safely
-from model.checkpoint_io import save_durably
+from training.checkpoint_io import save_durably
 
 path, name = Path(sys.argv[1]), sys.argv[2]
 for i in range(40):

@@ -23,7 +23,7 @@ from model.config import check_field_types
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
 from model.gpt import GPTConfig
-from model.update_guard import UpdateGuard
+from training.guard import UpdateGuard
 
 # query labels and key labels of an attention map, by the map's name
 LabelsFor = Callable[[str], tuple[list[str], list[str]]]
@@ -173,7 +173,7 @@ class TrainingModule(L.LightningModule):
         self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
     ) -> None:
         """Clip as the trainer says, and guard the update: a step whose loss or gradient norm
-        is not finite leaves the weights as they were (model/update_guard.py). What that step
+        is not finite leaves the weights as they were (training/guard.py). What that step
         means, stop or skip, is decided here one step later, before the next update."""
         self._act_on_skipped_updates()
         if self._trainable is None:

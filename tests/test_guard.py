@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from model.update_guard import UpdateGuard
+from training.guard import UpdateGuard
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

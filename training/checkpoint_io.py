@@ -1,7 +1,6 @@
 """Checkpoint files that survive a crash at any moment, and load without running code
 (model/checkpoint.py's load_safely); and the checkpoint callback of a run directory."""
 
-import errno
 import fcntl
 import os
 import uuid
@@ -13,10 +12,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from data.cache import disk_full_cause
 from model.checkpoint import load_safely
-
-# A write that fails for want of space: the user's to fix, so one line, not a traceback.
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def partial_files(path: Path) -> list[Path]:
@@ -42,7 +39,7 @@ def save_durably(checkpoint: dict[str, Any], path: Path) -> None:
         os.replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno in NO_SPACE:
+        if disk_full_cause(error) is not None:  # torch.save wraps it in a RuntimeError
             raise ValueError(
                 f"no space left on the disk of {path.parent} to write {path.name} (the previous "
                 "checkpoint is intact): free some space and resume with "
