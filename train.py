@@ -19,7 +19,6 @@ from typing import NoReturn
 import hydra
 import lightning as L
 import torch
-import wandb
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, InstantiationException
@@ -511,6 +510,16 @@ def fit(cfg: DictConfig) -> float | None:
         end_stopped_run(trainer, cfg, callbacks, started, stop)
     except TrainingDiverged as error:
         end_diverged_run(trainer, cfg, callbacks, started, error)
+    except RuntimeError as error:  # torch.OutOfMemoryError (a GPU's) is one too
+        if not out_of_memory(error):
+            raise
+        print(file=sys.stderr)  # below the progress bar, not on its line
+        raise ValueError(
+            f"out of memory at data.batch_size={cfg.data.batch_size} with "
+            f"{module.model.num_parameters() / 1e6:.2f}M parameters: lower data.batch_size or "
+            "the model size; the checkpoints so far are intact (resume: python train.py "
+            f"ckpt_path={cfg.paths.output_dir})"
+        ) from None
     if module.skipped_steps >= trainer.global_step > 0:
         end_diverged_run(
             trainer,
@@ -537,6 +546,11 @@ def fit(cfg: DictConfig) -> float | None:
     if score is None:
         score = trainer.callback_metrics.get("val/loss")
     return None if score is None else float(score)
+
+
+def out_of_memory(error: RuntimeError) -> bool:
+    """A GPU's torch.OutOfMemoryError, or the CPU allocator's refusal."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
 
 def end_diverged_run(
@@ -593,7 +607,8 @@ def main(cfg: DictConfig) -> float | None:
         return exit_on_user_error(lambda: train(cfg), TRAIN_ERRORS)
     finally:
         # Every job ends its W&B run, failed or not: a sweep's next job must not log into it.
-        wandb.finish()
+        if "wandb" in sys.modules:  # imported only by a run that logs to W&B
+            sys.modules["wandb"].finish()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ after a validation that was not a best, a corpus the default sample prompt does 
 directory copied elsewhere and resumed, and two writers in one directory."""
 
 import json
+import resource
 import shutil
 import signal
 import subprocess
@@ -193,3 +194,28 @@ def test_one_writer_per_run_directory(tmp_path):
         f"continue it with ckpt_path={run_dir}, or choose another hydra.run.dir"
     ]
     assert step_of(run_dir / "checkpoints" / "last.ckpt") == saved
+
+
+def test_a_batch_too_large_for_memory_is_one_line(tmp_path, shared_cache):
+    """A real allocation failure: the process may map at most 6 GB, and a step at batch 8192
+    of the default model needs far more."""
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "data.batch_size=8192", "logger=none"]
+        + ["trainer.num_sanity_val_steps=0", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=clean_env(shared_cache),
+        preexec_fn=limit_memory,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == result.stderr.strip().splitlines()[-1:]
+    assert errors[0].startswith("error: out of memory at data.batch_size=8192 with 0.82M ")
+    assert errors[0].endswith(f"(resume: python train.py ckpt_path={run_dir})")

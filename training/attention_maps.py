@@ -7,7 +7,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-import wandb
 from lightning.pytorch.loggers import WandbLogger
 from matplotlib.image import imsave
 
@@ -103,6 +102,8 @@ class AttentionMapLogger(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 # One W&B row per logging step: maps and statistics share the same _step.
+                import wandb  # loaded by the logger already; W&B-free runs never import it
+
                 pictures = {key: wandb.Image(image) for key, image in images.items()}
                 logger.log_metrics({**metrics, **pictures}, step=step)
             else:
