@@ -504,6 +504,7 @@ def fit(cfg: DictConfig) -> float | None:
         )
     for logger in loggers:
         logger.log_hyperparams(run_config)
+    stop.guard_shutdown()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException:

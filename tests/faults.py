@@ -8,6 +8,9 @@ resumed run that a test starts next, which carries the same overrides, trains on
 """
 
 import os
+import signal
+import threading
+import time
 
 import lightning as L
 import torch
@@ -36,3 +39,20 @@ class NaNGradientAt(L.Callback):
         if trainer.ckpt_path is None and 0 <= trainer.global_step - self.step < self.count:
             parameter = next(p for p in pl_module.parameters() if p.grad is not None)
             parameter.grad.view(-1)[0] = torch.nan
+
+
+class SignalAgainWhileStopping(L.Callback):
+    """Once the run is stopping on a signal, send this process SIGTERM every 5 ms for `seconds`,
+    as an impatient scheduler would, across the checkpoint, the summary and the exit."""
+
+    def __init__(self, seconds: float = 3.0) -> None:
+        self.seconds = seconds
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        def repeat() -> None:
+            deadline = time.monotonic() + self.seconds
+            while time.monotonic() < deadline:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.005)
+
+        threading.Thread(target=repeat, daemon=True).start()

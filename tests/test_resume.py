@@ -251,3 +251,18 @@ def test_a_run_whose_every_step_is_skipped_ends_diverged(tmp_path, cache):
     ]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["steps"] == 10
+
+
+@pytest.mark.slow
+def test_sigterm_repeated_while_stopping_lets_the_stop_finish(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    faults = fault("SignalAt", step=15, signum=signal.SIGTERM)
+    faults += ["+callbacks.again._target_=faults.SignalAgainWhileStopping"]
+    result = train(cache, *TINY, f"hydra.run.dir={run_dir}", *faults)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
+    assert "SIGTERM again: still saving, then stopping" in result.stderr
+    assert f"stopped by SIGTERM after step 16; saved {run_dir}/checkpoints/last.ckpt" in (
+        result.stderr
+    )
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 16
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped by SIGTERM"

@@ -83,13 +83,31 @@ class StopSignals(L.Callback):
         self.saved: Path | None = None
         self._previous_sigint = None
         self._sigterm_handler = None
+        self._training = False
+
+    def guard_shutdown(self) -> None:
+        """Called before Trainer.fit: SIGTERM gets a handler of ours, which Lightning calls
+        beside its own while it trains and puts back when it is done. Once a stop is under way,
+        another SIGTERM (a scheduler repeating itself) is ignored, so that the checkpoint and
+        the summary are finished rather than cut short; outside training, SIGTERM ends the
+        process as it always would (status 143)."""
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            print(
+                f"{signal.Signals(signum).name} again: still saving, then stopping", file=sys.stderr
+            )
+        elif not self._training:
+            raise SystemExit(128 + signum)
+        # while training, Lightning's handler (called beside this one) stops at the next step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._training = True
         self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         self._sigterm_handler = signal.getsignal(signal.SIGTERM)
 
     def _on_sigint(self, signum: int, frame) -> None:
-        self.signum = signal.SIGINT
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: quit now
         print(
             "\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to quit now)",
@@ -97,6 +115,7 @@ class StopSignals(L.Callback):
         )
         if callable(self._sigterm_handler):  # Lightning's: it stops the loop at a step boundary
             self._sigterm_handler(signal.SIGTERM, frame)
+        self.signum = signal.SIGINT
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is not None:
@@ -104,11 +123,13 @@ class StopSignals(L.Callback):
             self._previous_sigint = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._training = False
         self._restore_sigint()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        self._training = False
         self._restore_sigint()
         if not isinstance(exception, SIGTERMException):
             return  # a failure (say a non-finite loss) must not overwrite the last good state
