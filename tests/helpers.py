@@ -4,7 +4,11 @@ environment that is the same on every machine."""
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,3 +85,18 @@ def train_run(run_dir: Path, *overrides: str, cache_dir: Path) -> Path:
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir / "stdout.txt").write_text(result.stdout)
     return run_dir
+
+
+@contextmanager
+def small_disk(folder: Path, size: str) -> Iterator[Path]:
+    """A real file system of `size` (tmpfs, e.g. "128k") mounted at `folder` while the block
+    runs, so that writes fail with a true ENOSPC; the test is skipped where mounting needs a
+    root this process is not."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)

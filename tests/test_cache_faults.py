@@ -21,7 +21,7 @@ import pytest
 import data.lm
 from data.lm import LMDataModule, TokenWriter
 from data.seq2seq import Seq2SeqDataModule
-from helpers import ROOT, TINY, clean_env, run_script
+from helpers import ROOT, TINY, clean_env, run_script, small_disk
 
 PARAGRAPHS = [
     f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i * 7}." for i in range(200)
@@ -322,18 +322,11 @@ def test_a_full_disk_while_writing_tokens_is_a_value_error_naming_the_fix(
 def test_a_full_disk_ends_train_py_with_one_error_line_and_no_litter(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(PARAGRAPHS * 10) + "\n")  # 130 kB: more than the disk holds
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)]
-    if subprocess.run(mount, capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root); the test above injects ENOSPC")
-    try:
+    with small_disk(tmp_path / "disk", "128k") as disk:  # the test above injects ENOSPC
         overrides = [*TINY, "logger=none", "data=text_files", f"data.paths=[{corpus}]"]
         run_dir = f"hydra.run.dir={tmp_path / 'run'}"
         result = run_script("train.py", *overrides, run_dir, cache_dir=disk / "cache")
         litter = leftovers(disk / "cache")
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=True)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

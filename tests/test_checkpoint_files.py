@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, small_disk
 from model.checkpoint import load_safely, model_state
 from model.gpt import GPT, GPTConfig
 from training.checkpoint_io import partial_files, save_durably
@@ -120,12 +120,7 @@ def test_compiled_and_plain_models_load_each_others_weights():
 
 
 def test_a_full_disk_while_checkpointing_is_one_error_and_keeps_the_previous_checkpoint(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]
-    if subprocess.run(mount, capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with small_disk(tmp_path / "disk", "256k") as disk:
         path = disk / "checkpoints" / "last.ckpt"
         save_durably({"step": 1, "weights": torch.ones(1 << 10)}, path)  # 4 kB: it fits
         with pytest.raises(ValueError) as error:
@@ -133,8 +128,6 @@ def test_a_full_disk_while_checkpointing_is_one_error_and_keeps_the_previous_che
         message = str(error.value)
         remaining = sorted(p.name for p in path.parent.iterdir())
         step = load_safely(path)["step"]
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=True)
     assert message.startswith(f"no space left on the disk of {path.parent} to write last.ckpt")
     assert "\n" not in message
     assert step == 1 and remaining == ["last.ckpt"]  # the previous one, and no half-written file
