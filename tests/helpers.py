@@ -2,6 +2,7 @@
 environment that is the same on every machine."""
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -64,6 +65,14 @@ def clean_env(cache_dir: Path, **extra: str) -> dict[str, str]:
     }
 
 
+def default_signals() -> None:
+    """For a child process (preexec_fn): Ctrl-C and SIGTERM do what they do in a shell. A test
+    process may have come to ignore SIGINT (a library, a test worker), and a child inherits an
+    ignored signal, so without this a command could not be interrupted in some orders."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_script(
     script: str, *arguments: str, cache_dir: Path, env: dict | None = None
 ) -> subprocess.CompletedProcess:
@@ -72,6 +81,7 @@ def run_script(
         [sys.executable, str(ROOT / script), *arguments],
         cwd=ROOT,
         env=clean_env(cache_dir, **(env or {})),
+        preexec_fn=default_signals,
         capture_output=True,
         text=True,
         timeout=600,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data.tokenizer import tokenizer_from_dict
-from helpers import ROOT, TINY, clean_env, run_script, train_run
+from helpers import ROOT, TINY, clean_env, default_signals, run_script, train_run
 from wandb_offline import config, history
 
 
@@ -127,6 +127,7 @@ def test_ctrl_c_stops_generate_without_a_traceback(trained_run, shared_cache):
         [*command, "max_new_tokens=1000000"],
         cwd=ROOT,
         env=clean_env(shared_cache),
+        preexec_fn=default_signals,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
