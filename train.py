@@ -159,8 +159,8 @@ def print_summary(trainer: L.Trainer, cfg: DictConfig, datamodule) -> None:
 
 def sample_prompt(prompt: str, tokenizer, datamodule: LMDataModule, overrides: list[str]) -> str:
     """The end-of-run sample's prompt, checked before training: one the tokenizer cannot encode
-    is an error if the user gave it, and the default is replaced by the first character of
-    the validation text (the default, 'ROMEO:', suits only the embedded plays)."""
+    is an error if the user gave it, and the default is replaced by the validation text's first
+    token (the default, 'ROMEO:', suits only the embedded plays)."""
     try:
         tokenizer.encode(prompt)
         return prompt
