@@ -35,6 +35,21 @@ TINY = [
 # instead of one line, and thread counts (other float results).
 FOREIGN = ("WANDB_", "HYDRA_", "SLURM_", "TORCHELASTIC_", "PL_", "LOCAL_RANK", "NODE_RANK")
 FOREIGN_EXACT = {"RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+# The smallest GPT the fault tests train: one layer, a 32-token block, csv logging; each test
+# adds its own steps, validations and faults.
+SMALLEST = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "model.attention.n_head=2",
+    "data.batch_size=8",
+    "trainer.limit_val_batches=2",
+    "trainer.num_sanity_val_steps=0",
+    "callbacks.attention_maps.sample_length=16",
+    "sample.max_new_tokens=10",
+    "logger=csv",
+]
+
 # The libraries' caches and settings, which conftest.py points at a private folder per test
 # process (and which the commands the tests start inherit): folder names inside it.
 CACHE_VARIABLES = {
@@ -110,3 +125,16 @@ def small_disk(folder: Path, size: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+def fault(name: str, **options) -> list[str]:
+    """The overrides that add faults.py's `name` to a run, e.g. fault("SignalAt", step=20,
+    signum=9): it fires in the run started afresh, not in the resumed one."""
+    return [f"+callbacks.fault._target_=faults.{name}"] + [
+        f"+callbacks.fault.{key}={value}" for key, value in options.items()
+    ]
+
+
+def run_training(cache_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """train.py with tests/ on its path, so that overrides can add faults.py's callbacks."""
+    return run_script("train.py", *overrides, cache_dir=cache_dir, env={"PYTHONPATH": "tests"})

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_script
+from helpers import SMALLEST, fault, run_training
 from training.module import OptimConfig
 from wandb_offline import config, history, run_files, run_info
 
@@ -22,33 +22,14 @@ pytestmark = pytest.mark.xdist_group("resume")
 # A tiny model with dropout (so resuming must restore the random streams too), validated and
 # checkpointed every 10 steps, deterministic kernels.
 TINY = [
-    "model.n_layer=1",
-    "model.n_embd=32",
-    "model.block_size=32",
-    "model.attention.n_head=2",
+    *SMALLEST,
     "model.dropout=0.1",
-    "data.batch_size=8",
     "trainer.max_steps=40",
     "trainer.val_check_interval=10",
-    "trainer.limit_val_batches=2",
-    "trainer.num_sanity_val_steps=0",
     "trainer.deterministic=true",
     "optim.warmup_steps=5",
     "callbacks.attention_maps.every_n_steps=20",
-    "callbacks.attention_maps.sample_length=16",
-    "sample.max_new_tokens=10",
-    "logger=csv",
 ]
-
-
-def fault(name: str, **options) -> list[str]:
-    return [f"+callbacks.fault._target_=faults.{name}"] + [
-        f"+callbacks.fault.{key}={value}" for key, value in options.items()
-    ]
-
-
-def train(cache: Path, *overrides: str):
-    return run_script("train.py", *overrides, cache_dir=cache, env={"PYTHONPATH": "tests"})
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -70,7 +51,7 @@ def cache(tmp_path_factory) -> Path:
 def straight(tmp_path_factory, cache) -> Path:
     """40 steps in one go: what every interrupted and resumed run must reproduce."""
     run_dir = tmp_path_factory.mktemp("straight")
-    result = train(cache, *TINY, f"hydra.run.dir={run_dir}")
+    result = run_training(cache, *TINY, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -88,7 +69,7 @@ def test_killed_run_resumes_to_the_same_weights_and_history(
     tmp_path, cache, straight, signum, step, status
 ):
     run_dir = tmp_path / "run"
-    killed = train(
+    killed = run_training(
         cache, *TINY, f"hydra.run.dir={run_dir}", *fault("SignalAt", step=step, signum=signum)
     )
     assert killed.returncode == status, killed.stderr[-3000:]
@@ -104,7 +85,7 @@ def test_killed_run_resumes_to_the_same_weights_and_history(
 
     # The run's directory alone is enough: the resumed run composes its config from the
     # overrides the checkpoint recorded (the fault fires only in a run started afresh).
-    resumed = train(cache, f"ckpt_path={run_dir}")
+    resumed = run_training(cache, f"ckpt_path={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {run_dir}/checkpoints/last.ckpt at step {saved['global_step']}" in (
         resumed.stdout
@@ -126,12 +107,14 @@ def test_two_process_ddp_run_resumes_exactly(tmp_path, cache):
     """Each rank's share of the data order, and the random streams, continue too."""
     ddp = [*TINY, "trainer=ddp_cpu"]
     straight = tmp_path / "straight"
-    result = train(cache, *ddp, f"hydra.run.dir={straight}")
+    result = run_training(cache, *ddp, f"hydra.run.dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "run"
-    killed = train(cache, *ddp, f"hydra.run.dir={run_dir}", *fault("SignalAt", step=20, signum=9))
+    killed = run_training(
+        cache, *ddp, f"hydra.run.dir={run_dir}", *fault("SignalAt", step=20, signum=9)
+    )
     assert killed.returncode == -signal.SIGKILL
-    resumed = train(cache, f"ckpt_path={run_dir}")
+    resumed = run_training(cache, f"ckpt_path={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resuming from") == 1  # rank zero speaks for both
     final, expected = weights(run_dir), weights(straight)
@@ -147,13 +130,13 @@ def test_sigkilled_job_repeating_its_command_with_ckpt_path_last_resumes_exactly
     kill comes right after the step-20 checkpoint; the run logs to W&B offline."""
     run_dir = tmp_path / "run"
     command = [*TINY, "logger=wandb", f"hydra.run.dir={run_dir}", "ckpt_path=last"]
-    killed = train(cache, *command, *fault("SignalAt", step=20, signum=signal.SIGKILL))
+    killed = run_training(cache, *command, *fault("SignalAt", step=20, signum=signal.SIGKILL))
     assert killed.returncode == -signal.SIGKILL
     assert "no checkpoint in" in killed.stdout and "starts from scratch" in killed.stdout
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 20  # the last checkpoint before the kill
 
-    resumed = train(cache, *command)
+    resumed = run_training(cache, *command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {run_dir}/checkpoints/last.ckpt at step 20" in resumed.stdout
     final, expected = weights(run_dir), weights(straight)
@@ -182,7 +165,7 @@ def test_sigkilled_job_repeating_its_command_with_ckpt_path_last_resumes_exactly
 def test_resume_trains_longer_at_a_new_learning_rate(tmp_path, cache, straight):
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)
-    result = train(cache, f"ckpt_path={run_dir}", "trainer.max_steps=60", "optim.lr=1e-3")
+    result = run_training(cache, f"ckpt_path={run_dir}", "trainer.max_steps=60", "optim.lr=1e-3")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((run_dir / "summary.json").read_text())["history"]
     lr = {row["step"]: row["train/lr"] for row in rows if "train/lr" in row}
@@ -197,7 +180,9 @@ def test_resume_trains_longer_at_a_new_learning_rate(tmp_path, cache, straight):
 
 @pytest.mark.slow
 def test_resume_refuses_changed_model(tmp_path, cache, straight):
-    result = train(cache, f"ckpt_path={straight}", "model.n_layer=2", f"hydra.run.dir={tmp_path}")
+    result = run_training(
+        cache, f"ckpt_path={straight}", "model.n_layer=2", f"hydra.run.dir={tmp_path}"
+    )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -208,7 +193,9 @@ def test_resume_refuses_changed_model(tmp_path, cache, straight):
 @pytest.mark.slow
 def test_nan_gradient_stops_with_message_and_keeps_last_checkpoint(tmp_path, cache):
     run_dir = tmp_path / "run"
-    result = train(cache, *TINY, f"hydra.run.dir={run_dir}", *fault("NaNGradientAt", step=24))
+    result = run_training(
+        cache, *TINY, f"hydra.run.dir={run_dir}", *fault("NaNGradientAt", step=24)
+    )
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -229,7 +216,7 @@ def test_nan_gradient_stops_with_message_and_keeps_last_checkpoint(tmp_path, cac
 def test_nan_gradient_is_skipped_when_asked(tmp_path, cache):
     run_dir = tmp_path / "run"
     overrides = [*TINY, f"hydra.run.dir={run_dir}", "on_nonfinite=skip"]
-    result = train(cache, *overrides, *fault("NaNGradientAt", step=24))
+    result = run_training(cache, *overrides, *fault("NaNGradientAt", step=24))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warning: step 25: the loss is" in result.stderr and "update skipped" in result.stderr
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
@@ -241,7 +228,7 @@ def test_nan_gradient_is_skipped_when_asked(tmp_path, cache):
 def test_a_run_whose_every_step_is_skipped_ends_diverged(tmp_path, cache):
     run_dir = tmp_path / "run"
     overrides = [*TINY, f"hydra.run.dir={run_dir}", "on_nonfinite=skip", "trainer.max_steps=10"]
-    result = train(cache, *overrides, *fault("NaNGradientAt", step=0, count=10))
+    result = run_training(cache, *overrides, *fault("NaNGradientAt", step=0, count=10))
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
@@ -258,7 +245,7 @@ def test_sigterm_repeated_while_stopping_lets_the_stop_finish(tmp_path, cache):
     run_dir = tmp_path / "run"
     faults = fault("SignalAt", step=15, signum=signal.SIGTERM)
     faults += ["+callbacks.again._target_=faults.SignalAgainWhileStopping"]
-    result = train(cache, *TINY, f"hydra.run.dir={run_dir}", *faults)
+    result = run_training(cache, *TINY, f"hydra.run.dir={run_dir}", *faults)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
     assert "SIGTERM again: still saving, then stopping" in result.stderr
     assert f"stopped by SIGTERM after step 16; saved {run_dir}/checkpoints/last.ckpt" in (

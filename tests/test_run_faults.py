@@ -14,29 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, clean_env, run_script
+from helpers import ROOT, SMALLEST, clean_env, fault, run_training
 
 pytestmark = pytest.mark.slow
 
-TINY = [
-    "model.n_layer=1",
-    "model.n_embd=32",
-    "model.block_size=32",
-    "model.attention.n_head=2",
-    "data.batch_size=8",
-    "trainer.limit_val_batches=2",
-    "trainer.num_sanity_val_steps=0",
-    "callbacks.attention_maps.sample_length=16",
-    "sample.max_new_tokens=10",
-    "logger=csv",
-]
 # A learning rate so small that float32 weights do not move: every validation scores exactly
 # what the one before it did, so none after the first is a new best.
 FROZEN = ["optim.lr=1e-12", "optim.warmup_steps=1"]
-
-
-def train(cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run_script("train.py", *overrides, cache_dir=cache, env={"PYTHONPATH": "tests"})
 
 
 def step_of(path: Path) -> int:
@@ -50,16 +34,16 @@ def val_losses(run_dir: Path) -> dict[int, float]:
 
 def test_last_checkpoint_is_written_at_every_validation_and_at_the_end(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    command = [*TINY, *FROZEN, "trainer.val_check_interval=2", f"hydra.run.dir={run_dir}"]
-    kill = ["+callbacks.fault._target_=faults.SignalAt", "+callbacks.fault.step=6"]
-    killed = train(cache, *command, "trainer.max_steps=7", *kill, "+callbacks.fault.signum=9")
+    command = [*SMALLEST, *FROZEN, "trainer.val_check_interval=2", f"hydra.run.dir={run_dir}"]
+    kill = fault("SignalAt", step=6, signum=signal.SIGKILL)
+    killed = run_training(cache, *command, "trainer.max_steps=7", *kill)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     checkpoints = run_dir / "checkpoints"
     # Step 6's validation was no best (step 2's was), and last.ckpt holds step 6 all the same.
     assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["best-step2.ckpt", "last.ckpt"]
     assert step_of(checkpoints / "last.ckpt") == 6
 
-    resumed = train(cache, f"ckpt_path={run_dir}")
+    resumed = run_training(cache, f"ckpt_path={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert step_of(checkpoints / "last.ckpt") == 7  # the end of training, between validations
 
@@ -70,7 +54,7 @@ def test_default_prompt_outside_the_vocabulary_falls_back_and_a_given_one_fails_
     data = ["data=text_files", f"data.paths=[{corpus}]", "trainer.max_steps=4"]
     data += ["trainer.val_check_interval=4"]
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    result = train(cache, *TINY, *data, f"hydra.run.dir={run_dir}")
+    result = run_training(cache, *SMALLEST, *data, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sample.prompt='ROMEO:' is not in this corpus's vocabulary: sampling from" in (
         result.stdout
@@ -79,7 +63,7 @@ def test_default_prompt_outside_the_vocabulary_falls_back_and_a_given_one_fails_
     assert summary["status"] == "completed" and summary["history"]
 
     given = tmp_path / "given"
-    result = train(cache, *TINY, *data, "sample.prompt=ROMEO:", f"hydra.run.dir={given}")
+    result = run_training(cache, *SMALLEST, *data, "sample.prompt=ROMEO:", f"hydra.run.dir={given}")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert (
@@ -97,8 +81,8 @@ def test_default_prompt_outside_the_vocabulary_falls_back_and_a_given_one_fails_
 
 def test_a_copied_run_directory_keeps_its_best_checkpoint_record(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    first = [*TINY, "trainer.max_steps=10", "trainer.val_check_interval=10"]
-    result = train(cache, *first, f"hydra.run.dir={run_dir}")
+    first = [*SMALLEST, "trainer.max_steps=10", "trainer.val_check_interval=10"]
+    result = run_training(cache, *first, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
@@ -106,7 +90,7 @@ def test_a_copied_run_directory_keeps_its_best_checkpoint_record(tmp_path):
 
     # Frozen weights: step 12 scores exactly what step 10 did, so step 10 stays the best.
     more = ["trainer.max_steps=12", "trainer.val_check_interval=2", *FROZEN]
-    result = train(cache, f"ckpt_path={copy}", *more)
+    result = run_training(cache, f"ckpt_path={copy}", *more)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = val_losses(copy)
     assert losses[12] == losses[10]
@@ -155,7 +139,7 @@ def test_two_processes_saving_one_checkpoint_never_publish_a_broken_file(tmp_pat
 
 def test_one_writer_per_run_directory(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    command = [*TINY, "trainer.max_steps=100000", "trainer.val_check_interval=5"]
+    command = [*SMALLEST, "trainer.max_steps=100000", "trainer.val_check_interval=5"]
     running = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *command, f"hydra.run.dir={run_dir}"],
         cwd=ROOT,
@@ -175,7 +159,7 @@ def test_one_writer_per_run_directory(tmp_path):
             [*command, f"hydra.run.dir={run_dir}"],  # a second run there
             [f"ckpt_path={run_dir}"],  # a resume while the run goes on
         ):
-            result = train(cache, *second)
+            result = run_training(cache, *second)
             assert result.returncode == 1
             lines = result.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(in_use), result.stderr[-3000:]
@@ -187,7 +171,7 @@ def test_one_writer_per_run_directory(tmp_path):
     assert saved >= 5
 
     # A new run into the stopped run's directory would overwrite its checkpoints: refused.
-    result = train(cache, *command, "trainer.max_steps=10", f"hydra.run.dir={run_dir}")
+    result = run_training(cache, *command, "trainer.max_steps=10", f"hydra.run.dir={run_dir}")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"error: hydra.run.dir={run_dir} already holds a run ({run_dir}/checkpoints/last.ckpt): "
