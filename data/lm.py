@@ -25,6 +25,7 @@ from data.sources import (
     split_tail,
 )
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from errors import check, check_int, is_number
 
 # Bump whenever the cache entry's contents change meaning (normalisation, split, file layout).
 FORMAT_VERSION = 2
@@ -33,12 +34,6 @@ TOKENIZERS = ("char", "bpe")
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 DOCUMENT_SEPARATOR = "\n\n"  # between documents in the token stream, as between paragraphs
 BATCH_ROWS = 1000  # documents per `datasets.map` batch
-
-
-def _check_int(key: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive" if minimum == 1 else "a non-negative"
-        raise ValueError(f"data.{key} must be {kind} integer, got {value!r}")
 
 
 @dataclass
@@ -65,14 +60,13 @@ class LMDataConfig:
         if self.tokenizer not in TOKENIZERS:
             known = list(TOKENIZERS)
             raise ValueError(f"data.tokenizer must be one of {known}, got {self.tokenizer!r}")
-        _check_int("block_size", self.block_size, minimum=1)
-        _check_int("bpe_vocab_size", self.bpe_vocab_size, minimum=1)
-        _check_int("batch_size", self.batch_size, minimum=1)
-        _check_int("num_workers", self.num_workers, minimum=0)
-        _check_int("num_proc", self.num_proc, minimum=1)
+        check_int("data.block_size", self.block_size)
+        check_int("data.bpe_vocab_size", self.bpe_vocab_size)
+        check_int("data.batch_size", self.batch_size)
+        check_int("data.num_workers", self.num_workers, minimum=0)
+        check_int("data.num_proc", self.num_proc)
         v = self.val_fraction
-        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1:
-            raise ValueError(f"data.val_fraction must be a number between 0 and 1, got {v!r}")
+        check(is_number(v) and 0 < v < 1, "data.val_fraction", "a number between 0 and 1", v)
         if not self.cache_dir:
             raise ValueError(f"data.cache_dir must be a directory path, got {self.cache_dir!r}")
         if not isinstance(self.streaming, bool):

@@ -28,6 +28,8 @@ from data.pairs import (
 )
 from data.sources import expand_paths, file_fingerprint, load_shakespeare, train_val_split
 from data.tokenizer import CharTokenizer
+from errors import check as check_value
+from errors import is_int, is_number
 
 # Bump whenever the cache entry's contents change meaning (passages, corruption, file layout).
 FORMAT_VERSION = 1
@@ -35,14 +37,6 @@ TASKS = ("denoise", "next_line", "pairs")
 CORRUPTIONS = ("char", "span")
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<mask>")
 IGNORE_INDEX = -100  # F.cross_entropy's default: padded target positions add no loss
-
-
-def _is_int(value: object, minimum: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-
-
-def _is_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float)
 
 
 @dataclass
@@ -67,24 +61,23 @@ class Seq2SeqDataConfig:
 
     def __post_init__(self) -> None:
         def check(ok: bool, key: str, expected: str) -> None:
-            if not ok:
-                raise ValueError(f"data.{key} must be {expected}, got {getattr(self, key)!r}")
+            check_value(ok, f"data.{key}", expected, getattr(self, key))
 
         check(self.task in TASKS, "task", f"one of {list(TASKS)}")
         check(self.corruption in CORRUPTIONS, "corruption", f"one of {list(CORRUPTIONS)}")
         rate = self.noise_rate
-        check(_is_number(rate) and 0 < rate < 1, "noise_rate", "a number between 0 and 1")
-        check(_is_number(self.mean_span) and self.mean_span >= 1, "mean_span", "a number >= 1")
+        check(is_number(rate) and 0 < rate < 1, "noise_rate", "a number between 0 and 1")
+        check(is_number(self.mean_span) and self.mean_span >= 1, "mean_span", "a number >= 1")
         # A denoising source holds a whole passage; a target also needs room for <bos>/<eos>.
         shortest = MIN_PASSAGE if self.task == "denoise" else 1
         for key, least in (("max_source_len", shortest), ("max_target_len", shortest + 1)):
-            check(_is_int(getattr(self, key), least), key, f"an integer >= {least} for {self.task}")
+            check(is_int(getattr(self, key), least), key, f"an integer >= {least} for {self.task}")
         for key in ("batch_size", "val_subset"):
-            check(_is_int(getattr(self, key), 1), key, "a positive integer")
-        check(_is_int(self.num_workers, 0), "num_workers", "a non-negative integer")
-        check(_is_int(self.seed, 0), "seed", "a non-negative integer")
+            check(is_int(getattr(self, key), 1), key, "a positive integer")
+        check(is_int(self.num_workers, 0), "num_workers", "a non-negative integer")
+        check(is_int(self.seed, 0), "seed", "a non-negative integer")
         v = self.val_fraction
-        check(_is_number(v) and 0 < v < 1, "val_fraction", "a number between 0 and 1")
+        check(is_number(v) and 0 < v < 1, "val_fraction", "a number between 0 and 1")
         check(bool(self.cache_dir), "cache_dir", "a directory path")
         for key in ("source_column", "target_column"):
             check(isinstance(getattr(self, key), str) and getattr(self, key), key, "a column name")
@@ -327,7 +320,7 @@ class Seq2SeqDataModule(CachedDataModule):
         """The first n (or all, if fewer) validation pairs as (source ids, target ids): a fixed
         sample for attention maps and exact-match decoding. Sources are what the encoder reads
         (<mask> tokens included); targets carry no <bos>/<eos>."""
-        if not _is_int(n, 1):
+        if not is_int(n, 1):
             raise ValueError(f"val_pairs needs a positive number of pairs, got {n!r}")
         sources, targets = self._split("val")
         return [(sources[i].tolist(), targets[i].tolist()) for i in range(min(n, len(sources)))]

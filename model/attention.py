@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import check_field_types
+from errors import check_field_types, check_int, is_number
 from model.layers import RotaryEmbedding, alibi_bias, alibi_slopes
 
 
@@ -109,32 +109,22 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "model.attention.")
-        if not isinstance(self.n_head, int) or self.n_head < 1:
-            raise ValueError(
-                f"model.attention.n_head must be a positive integer, got {self.n_head}"
-            )
+        check_int("model.attention.n_head", self.n_head)
+        check_int("model.attention.n_kv_head", self.n_kv_head, optional=True)
         if self.n_kv_head is not None:
-            if not isinstance(self.n_kv_head, int) or self.n_kv_head < 1:
-                raise ValueError(
-                    f"model.attention.n_kv_head must be a positive integer or null, "
-                    f"got {self.n_kv_head}"
-                )
             if self.n_head % self.n_kv_head:
                 raise ValueError(
                     f"model.attention.n_head={self.n_head} is not divisible by "
                     f"model.attention.n_kv_head={self.n_kv_head}: pick n_kv_head among "
                     f"{[d for d in range(1, self.n_head + 1) if self.n_head % d == 0]}"
                 )
-        number = isinstance(self.scale, int | float) and not isinstance(self.scale, bool)
+        number = is_number(self.scale)
         if not (self.scale is None or self.scale in SCALE_RULES or (number and self.scale > 0)):
             raise ValueError(
                 f"model.attention.scale must be a number > 0, one of {list(SCALE_RULES)} or "
                 f"null (= 1/sqrt_dk), got {self.scale!r}"
             )
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-            raise ValueError(
-                f"model.attention.window must be a positive integer or null, got {self.window}"
-            )
+        check_int("model.attention.window", self.window, optional=True)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.attention.dropout must be in [0, 1), got {self.dropout}")
 

@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from matplotlib.image import imsave
 
+from errors import check_int
 from model.inspect import (
     AttentionRecord,
     figure_to_array,
@@ -33,11 +34,9 @@ class AttentionMapLogger(L.Callback):
         max_labelled_tokens: int = 64,
         out_dir: str | None = None,
     ):
-        if every_n_steps < 1 or sample_length < 2:
-            raise ValueError(
-                f"callbacks.attention_maps: every_n_steps ({every_n_steps}) must be >= 1 and "
-                f"sample_length ({sample_length}) >= 2"
-            )
+        check_int("callbacks.attention_maps.every_n_steps", every_n_steps)
+        check_int("callbacks.attention_maps.sample_length", sample_length, minimum=2)
+        check_int("callbacks.attention_maps.max_labelled_tokens", max_labelled_tokens)
         self.every_n_steps = every_n_steps
         self.sample_length = sample_length
         self.max_labelled_tokens = max_labelled_tokens

@@ -8,6 +8,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from errors import check_int
+
 
 def example_fingerprint(row: torch.Tensor) -> str:
     """A short hash of one example's token ids: equal examples, equal fingerprints."""
@@ -19,8 +21,7 @@ class BatchLog(L.Callback):
     `out_dir/rank<R>.jsonl`: the step, the rank and a fingerprint of each example's input."""
 
     def __init__(self, out_dir: str, max_steps: int = 100):
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"callbacks.batch_log.max_steps must be >= 1, got {max_steps!r}")
+        check_int("callbacks.batch_log.max_steps", max_steps)
         self.out_dir = Path(out_dir)
         self.max_steps = max_steps
 

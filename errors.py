@@ -1,0 +1,95 @@
+"""The one place where a user's mistake becomes one line: the checks every config dataclass
+runs (model/, data/, training/ and generate.py's), and the exit that prints the message.
+
+Plain Python on purpose: model/ and data/ may not import each other, and both check values
+the same way, so the checks live beside them rather than in either.
+"""
+
+import dataclasses
+import os
+import sys
+import types
+from collections.abc import Callable
+from typing import TypeVar, Union, get_args, get_origin
+
+T = TypeVar("T")
+
+# What a user's config or input causes; the message names the value and the fix.
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+def exit_on_user_error(
+    action: Callable[[], T], errors: tuple[type[BaseException], ...] = USER_ERRORS
+) -> T:
+    """Run action; an error of `errors` (one the user can fix) is printed on one line and exits
+    with status 1.
+
+    HYDRA_FULL_ERROR=1 shows the traceback instead, as it does for Hydra's own errors.
+    """
+    try:
+        return action()
+    except errors as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def is_int(value: object, minimum: int | None = None) -> bool:
+    """An int (never a bool), at least `minimum` when given."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return minimum is None or value >= minimum
+
+
+def is_number(value: object) -> bool:
+    """An int or a float, never a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check(ok: bool, key: str, expected: str, value: object) -> None:
+    """Raise `<key> must be <expected>, got <value>` unless ok."""
+    if not ok:
+        raise ValueError(f"{key} must be {expected}, got {value!r}")
+
+
+def check_int(key: str, value: object, minimum: int = 1, optional: bool = False) -> None:
+    """`value` is an integer >= minimum (or None, when optional)."""
+    if optional and value is None:
+        return
+    expected = {1: "a positive integer", 0: "a non-negative integer"}.get(
+        minimum, f"an integer >= {minimum}"
+    )
+    check(is_int(value, minimum), key, expected + (" or null" if optional else ""), value)
+
+
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _fits(value: object, expected: object) -> bool:
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return is_number(value)
+    if expected is int:
+        return is_int(value)
+    if expected in (str, bool):
+        return isinstance(value, expected)
+    if dataclasses.is_dataclass(expected):
+        return isinstance(value, expected | dict)  # a nested config, or its dict from Hydra
+    return True  # containers and the like: the config's own checks look inside
+
+
+def check_field_types(config: object, prefix: str) -> None:
+    """Raise a ValueError for the first field of the dataclass `config` whose value is not of
+    its annotated type (an int passes for a float; a bool is never a number), before any range
+    check compares it with a number: `optim.lr=abc` from the shell names optim.lr."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        union = get_origin(field.type) in (Union, types.UnionType)
+        expected = get_args(field.type) if union else (field.type,)
+        if not any(_fits(value, kind) for kind in expected):
+            kinds = " or ".join(
+                TYPE_NAMES.get(k, "null" if k is type(None) else str(k)) for k in expected
+            )
+            raise ValueError(f"{prefix}{field.name} must be {kinds}, got {value!r}")
