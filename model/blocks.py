@@ -5,18 +5,13 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from torch import Tensor, nn
 
+from errors import check_field_types, check_int
 from model.attention import AttentionConfig, KVCache, MultiHeadAttention
-from model.config import check_field_types
 from model.layers import INIT_STD, MLP
 
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 # RoPE and ALiBi act inside self-attention; the others are added to the embeddings.
 POSITIONS_IN_ATTENTION = ("rope", "alibi")
-
-
-def check_positive_int(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"model.{key} must be a positive integer, got {value}")
 
 
 @dataclass
@@ -35,10 +30,9 @@ class TransformerConfig:
         if isinstance(self.attention, dict):
             self.attention = AttentionConfig(**self.attention)
         check_field_types(self, "model.")
-        if self.vocab_size is not None:
-            check_positive_int("vocab_size", self.vocab_size)
-        check_positive_int("n_embd", self.n_embd)
-        check_positive_int("mlp_ratio", self.mlp_ratio)
+        check_int("model.vocab_size", self.vocab_size, optional=True)
+        check_int("model.n_embd", self.n_embd)
+        check_int("model.mlp_ratio", self.mlp_ratio)
         if self.position not in POSITIONS:
             raise ValueError(
                 f"model.position={self.position!r} is not one of {', '.join(POSITIONS)}"
@@ -52,10 +46,16 @@ class TransformerConfig:
                 f"model.n_embd={self.n_embd} is not divisible by model.attention.n_head={n_head}: "
                 f"pick n_head among {divisors} or change n_embd"
             )
-        if self.position == "rope" and (self.n_embd // n_head) % 2:
+        if self.position == "rope":
+            self.check_even_head_dim("model.position")
+
+    def check_even_head_dim(self, key: str) -> None:
+        """RoPE rotates pairs of a head's channels: `key`=rope needs an even head dimension."""
+        n_head = self.attention.n_head
+        if (self.n_embd // n_head) % 2:
             raise ValueError(
-                f"model.position=rope needs an even head dimension, but model.n_embd={self.n_embd}"
-                f" / model.attention.n_head={n_head} = {self.n_embd // n_head}"
+                f"{key}=rope needs an even head dimension, but model.n_embd={self.n_embd} / "
+                f"model.attention.n_head={n_head} = {self.n_embd // n_head}"
             )
 
     @property
@@ -65,6 +65,16 @@ class TransformerConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def for_tokenizer(self, tokens: int):
+        """This config with the embedding's rows set for a tokenizer of `tokens` tokens: exactly
+        those, unless model.vocab_size pads them (the GPT only: see GPTConfig)."""
+        if self.vocab_size not in (None, tokens):
+            raise ValueError(
+                f"model.vocab_size={self.vocab_size}: only the GPT's vocabulary can be padded; "
+                f"leave it null for the encoder-decoder (the tokenizer has {tokens} tokens)"
+            )
+        return replace(self, vocab_size=tokens)
 
     @classmethod
     def from_dict(cls, values: dict):
@@ -149,13 +159,21 @@ def init_weights(model: nn.Module, n_layer: int) -> None:
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms, biases and embeddings keep weight decay 0."""
+    """Decay the weights of linear layers only, chosen by module type rather than by name:
+    norms, biases, token embeddings, position tables (whatever their name), and a head tied to
+    an embedding keep weight decay 0."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    kept = {  # a parameter that another module also owns (weight tying) is that module's
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, nn.Linear)
+        for p in m.parameters(recurse=False)
+    }
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        is_matrix = param.dim() >= 2 and "emb" not in name
-        (decay if is_matrix else no_decay).append(param)
+    for param in model.parameters():  # each shared parameter once
+        if param.requires_grad:
+            decays = id(param) in linear and id(param) not in kept
+            (decay if decays else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from errors import check_int
 from model.attention import KVCache
 from model.blocks import (
     Block,
     TransformerConfig,
-    check_positive_int,
     init_weights,
     optimizer_groups,
 )
@@ -40,17 +40,14 @@ class EncDecConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("n_encoder_layer", "n_decoder_layer", "max_source_len", "max_target_len"):
-            check_positive_int(key, getattr(self, key))
+            check_int(f"model.{key}", getattr(self, key))
         if self.cross_position not in CROSS_POSITIONS:
             raise ValueError(
                 f"model.cross_position={self.cross_position!r} is not one of "
                 f"{', '.join(CROSS_POSITIONS)}"
             )
-        if self.cross_position == "rope" and (self.n_embd // self.attention.n_head) % 2:
-            raise ValueError(
-                f"model.cross_position=rope needs an even head dimension, but model.n_embd="
-                f"{self.n_embd} / model.attention.n_head={self.attention.n_head} is odd"
-            )
+        if self.cross_position == "rope":
+            self.check_even_head_dim("model.cross_position")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"model.label_smoothing must be in [0, 1), got {self.label_smoothing}")
 

@@ -1,16 +1,16 @@
 """A decoder-only language model: token embedding, pre-LayerNorm blocks, tied LM head."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from errors import check_int
 from model.attention import KVCache
 from model.blocks import (
     POSITIONS,
     Block,
     TransformerConfig,
-    check_positive_int,
     init_weights,
     optimizer_groups,
 )
@@ -28,8 +28,20 @@ class GPTConfig(TransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_positive_int("block_size", self.block_size)
-        check_positive_int("n_layer", self.n_layer)
+        check_int("model.block_size", self.block_size)
+        check_int("model.n_layer", self.n_layer)
+
+    def for_tokenizer(self, tokens: int) -> "GPTConfig":
+        """The embedding's rows: the tokenizer's `tokens`, or more where model.vocab_size pads
+        them (to a multiple of 64 for faster matmuls, or to a given size)."""
+        if self.vocab_size is None or self.vocab_size == tokens:
+            return replace(self, vocab_size=tokens)
+        if self.vocab_size < tokens:
+            raise ValueError(
+                f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's {tokens} "
+                f"tokens; leave it null, or give at least {tokens}"
+            )
+        return self
 
 
 class GPT(nn.Module):

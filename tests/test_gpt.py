@@ -6,24 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import tiny_encdec, tiny_gpt
 from model.attention import AttentionConfig
 from model.gpt import GPT, POSITIONS, GPTConfig
 from model.layers import INIT_STD, AddedPositions, sinusoidal_encoding
 
 VOCAB = 23
-
-
-def tiny_gpt(position="learned", n_kv_head=None, window=None, **overrides) -> GPT:
-    values = {
-        "vocab_size": VOCAB,
-        "block_size": 16,
-        "n_layer": 2,
-        "n_embd": 32,
-        "position": position,
-        "attention": AttentionConfig(n_head=4, n_kv_head=n_kv_head, window=window),
-    }
-    values.update(overrides)
-    return GPT(GPTConfig(**values)).eval()
 
 
 CACHE_CASES = {
@@ -39,7 +27,7 @@ CACHE_CASES = {
 @pytest.mark.parametrize("case", list(CACHE_CASES))
 @torch.no_grad()
 def test_kv_cache_decoding_matches_full_forward(case, prompt_len):
-    model = tiny_gpt(**CACHE_CASES[case])
+    model = tiny_gpt(VOCAB, **CACHE_CASES[case])
     idx = torch.randint(VOCAB, (2, 12))
     full, _ = model(idx)
     cache = model.new_cache()
@@ -53,7 +41,7 @@ def test_kv_cache_decoding_matches_full_forward(case, prompt_len):
 @pytest.mark.parametrize("case", list(CACHE_CASES))
 @torch.no_grad()
 def test_future_tokens_never_change_past_logits(case):
-    model = tiny_gpt(**CACHE_CASES[case])
+    model = tiny_gpt(VOCAB, **CACHE_CASES[case])
     idx = torch.randint(VOCAB, (2, 10))
     changed = idx.clone()
     changed[:, 6] = (idx[:, 6] + 1) % VOCAB
@@ -67,7 +55,7 @@ def test_future_tokens_never_change_past_logits(case):
 @torch.no_grad()
 def test_last_position_sees_earlier_tokens_as_a_set_only_without_positions(position):
     # One layer: with more, the earlier positions' causal states already depend on their order.
-    model = tiny_gpt(position, n_layer=1)
+    model = tiny_gpt(VOCAB, position, n_layer=1)
     with torch.no_grad():  # make the positional signals large enough to matter clearly
         for block in model.blocks:
             block.attn.q_proj.weight.mul_(10)
@@ -84,7 +72,7 @@ def test_last_position_sees_earlier_tokens_as_a_set_only_without_positions(posit
 @torch.no_grad()
 def test_causality_check_of_none_is_not_vacuous(position):
     # With causal attention the earlier positions do change under a permutation, even for "none".
-    model = tiny_gpt(position)
+    model = tiny_gpt(VOCAB, position)
     idx = torch.randint(VOCAB, (2, 8))
     perm = torch.tensor([3, 1, 0, 2, 6, 5, 4, 7])
     logits, _ = model(idx)
@@ -93,7 +81,7 @@ def test_causality_check_of_none_is_not_vacuous(position):
 
 
 def test_overfits_one_small_batch():
-    model = tiny_gpt("rope", block_size=16, n_layer=2, n_embd=32).train()
+    model = tiny_gpt(VOCAB, "rope", block_size=16, n_layer=2, n_embd=32).train()
     idx = torch.randint(VOCAB, (4, 17))
     inputs, targets = idx[:, :-1], idx[:, 1:]
     optimizer = torch.optim.AdamW(model.optimizer_groups(0.0), lr=1e-2)
@@ -111,7 +99,7 @@ def test_overfits_one_small_batch():
 
 
 def test_loss_is_cross_entropy_and_ignores_minus_100():
-    model = tiny_gpt()
+    model = tiny_gpt(VOCAB)
     idx = torch.randint(VOCAB, (2, 6))
     targets = torch.randint(VOCAB, (2, 6))
     targets[0, :3] = -100
@@ -123,7 +111,7 @@ def test_loss_is_cross_entropy_and_ignores_minus_100():
 
 
 def test_weight_tying():
-    model = tiny_gpt()
+    model = tiny_gpt(VOCAB)
     assert model.lm_head.weight is model.tok_emb.weight
     with torch.no_grad():
         model.tok_emb.weight[5].zero_()
@@ -133,7 +121,7 @@ def test_weight_tying():
 
 def test_initialisation_std():
     n_layer = 4
-    model = tiny_gpt(n_layer=n_layer, n_embd=128)
+    model = tiny_gpt(VOCAB, n_layer=n_layer, n_embd=128)
     residual_std = 0.02 / math.sqrt(2 * n_layer)
     for block in model.blocks:
         assert block.attn.out_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
@@ -147,7 +135,7 @@ def test_initialisation_std():
 
 @pytest.mark.parametrize("position", ["learned", "rope"])
 def test_optimizer_groups(position):
-    model = tiny_gpt(position)
+    model = tiny_gpt(VOCAB, position)
     decay_group, no_decay_group = model.optimizer_groups(0.1)
     assert decay_group["weight_decay"] == 0.1 and no_decay_group["weight_decay"] == 0.0
     decay = {id(p) for p in decay_group["params"]}
@@ -172,7 +160,7 @@ def test_optimizer_groups(position):
 )
 def test_num_parameters(position, n_kv_head, bias):
     v, block, n_layer, c, ratio = VOCAB, 16, 2, 32, 4
-    model = tiny_gpt(position, n_kv_head=n_kv_head, bias=bias)
+    model = tiny_gpt(VOCAB, position, n_kv_head=n_kv_head, bias=bias)
     kv = c // 4 * (n_kv_head or 4)
     b = int(bias)
     norm = c + b * c
@@ -187,7 +175,7 @@ def test_num_parameters(position, n_kv_head, bias):
 
 
 def test_learned_positions_refuse_sequences_past_block_size():
-    model = tiny_gpt("learned", block_size=8)
+    model = tiny_gpt(VOCAB, "learned", block_size=8)
     with pytest.raises(ValueError, match="9 tokens .*block_size=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
     cache = model.new_cache()
@@ -197,7 +185,7 @@ def test_learned_positions_refuse_sequences_past_block_size():
 
 
 def test_rope_cache_overflow_raises():
-    model = tiny_gpt("rope", block_size=8)
+    model = tiny_gpt(VOCAB, "rope", block_size=8)
     cache = model.new_cache()
     model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="at most 8 positions, asked for 9"):
@@ -254,3 +242,28 @@ def test_sinusoidal_table_starts_at_the_token_embeddings_scale():
     torch.testing.assert_close(
         positions.weight / (INIT_STD * math.sqrt(2)), sinusoidal_encoding(256, 128)
     )
+
+
+@pytest.mark.parametrize("make", [tiny_gpt, tiny_encdec], ids=["gpt", "encdec"])
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_only_linear_layers_weights_decay(make, position):
+    """Weight decay is chosen by module type: the GPT and the encoder-decoder decay the same
+    kinds of parameter, whatever their names (the encoder-decoder's learned position tables
+    are not called *emb*)."""
+    model = make(VOCAB, position=position, bias=True)
+    decay, no_decay = model.optimizer_groups(0.1)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    decayed = {id(p) for p in decay["params"]}
+    grouped = [id(p) for group in (decay, no_decay) for p in group["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # each exactly once
+    never = (torch.nn.Embedding, torch.nn.LayerNorm, AddedPositions)
+    for name, module in model.named_modules():
+        if isinstance(module, never):
+            assert not {id(p) for p in module.parameters()} & decayed, name
+        elif isinstance(module, torch.nn.Linear) and module.bias is not None:
+            assert id(module.bias) not in decayed, name
+    decayed_names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    assert decayed_names and all(name.endswith(".weight") for name in decayed_names)
+    if position == "learned":
+        tables = [m for m in model.modules() if isinstance(m, AddedPositions)]
+        assert tables and all(id(t.weight) not in decayed for t in tables)
