@@ -50,6 +50,29 @@ def model_state(state: dict) -> dict:
     }
 
 
+def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
+    """The checkpoint file that `given` (the value of the command's option `key`) names, by one
+    rule: a file is itself; a run directory, or its checkpoints/ folder, gives its `which`
+    checkpoint. "last" is last.ckpt, where a run continues (train.py ckpt_path=); "best" is the
+    newest best*.ckpt, else last.ckpt, what a trained model is used from (generate.py ckpt=)."""
+    path = Path(given).expanduser()
+    if path.is_file():
+        return path
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    candidates = [folder / "last.ckpt"]
+    if which == "best":
+        best = sorted(folder.glob("best*.ckpt"), key=lambda p: p.stat().st_mtime)
+        candidates = best[-1:] + candidates
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is not None:
+        return found
+    missing = f"no {which} checkpoint in {folder}" if path.is_dir() else f"no checkpoint at {path}"
+    raise FileNotFoundError(
+        f"{key}={given}: {missing}; give the directory of a run that saved checkpoints (runs "
+        "live under outputs/) or a .ckpt file"
+    )
+
+
 def load_checkpoint(path: Path) -> tuple[GPT | EncoderDecoder, dict]:
     """(model in eval mode, hyper_parameters) from a training checkpoint; the hyper-parameters
     hold the tokenizer's record under "tokenizer" and the run's config under "run_config"."""

@@ -1,0 +1,95 @@
+"""Text from a GPT for people: the sampling options (generate.py's, and the end-of-run sample's
+in train.py) and a continuation streamed to stdout as it is generated."""
+
+from dataclasses import dataclass
+
+import torch
+
+from errors import check, check_field_types, check_int
+from model.generation import generate
+from model.gpt import GPT
+
+
+@dataclass
+class SamplingConfig:
+    """What generate.py takes besides the checkpoint (and train.py's `sample.*`); validated
+    before the model loads."""
+
+    prompt: str = "\n"
+    source: str | None = None  # encoder-decoder input
+    max_new_tokens: int = 300
+    decoding: str = "sample"  # sample | greedy | beam (beam: encoder-decoder only)
+    beam_size: int = 4
+    length_penalty: float = 1.0
+    temperature: float = 0.8
+    top_k: int | None = 50
+    top_p: float | None = None
+    num_samples: int = 1
+    seed: int = 1
+    use_cache: bool = True
+    attention_plot: str | None = None  # encoder-decoder: PNG of the decode's cross-attention
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "")
+        check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        if self.decoding not in ("sample", "greedy", "beam"):
+            raise ValueError(f"decoding={self.decoding!r} is not one of sample, greedy, beam")
+        check_int("beam_size", self.beam_size)
+        if not self.temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0, got {self.temperature}: use decoding=greedy for argmax"
+            )
+        check_int("top_k", self.top_k, optional=True)
+        top_p = self.top_p
+        check(top_p is None or 0.0 < top_p <= 1.0, "top_p", "in (0, 1] or null", top_p)
+        check_int("num_samples", self.num_samples)
+        if not self.prompt:
+            raise ValueError('prompt is empty: give at least one character, e.g. prompt="\\n"')
+
+    def sampling_kwargs(self, generator: torch.Generator) -> dict:
+        if self.decoding != "sample":
+            return {"greedy": True}
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "generator": generator,
+        }
+
+
+def encode(tokenizer, text: str, key: str) -> list[int]:
+    """`text` as token ids; a character the tokenizer lacks names the option `key` it came from."""
+    try:
+        return tokenizer.encode(text)
+    except ValueError as error:
+        raise ValueError(f"{key}={text!r}: {error}") from None
+
+
+def stream_samples(model: GPT, tokenizer, config: SamplingConfig, device: torch.device) -> None:
+    """Print num_samples continuations of the prompt, token by token."""
+    if config.decoding == "beam":
+        raise ValueError("decoding=beam is for encoder-decoder checkpoints: use sample or greedy")
+    prompt = torch.tensor([encode(tokenizer, config.prompt, "prompt")], device=device)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    for index in range(config.num_samples):
+        if index:
+            print("\n" + "-" * 40)
+        print(config.prompt, end="", flush=True)
+        tokens = generate(
+            model,
+            prompt,
+            config.max_new_tokens,
+            use_cache=config.use_cache,
+            vocab_size=tokenizer.vocab_size,
+            **config.sampling_kwargs(generator),
+        )
+        # Decode the whole continuation each step and print what is new: a character that
+        # byte-level BPE splits over several tokens appears once all of its bytes have.
+        ids, shown = [], ""
+        for token in tokens:
+            ids += token.tolist()
+            text = tokenizer.decode(ids)
+            if not text.endswith("\ufffd"):
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+        print(tokenizer.decode(ids)[len(shown) :])
