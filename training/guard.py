@@ -1,4 +1,5 @@
-"""Keep non-finite updates out of the weights without making the host wait for the device.
+"""What a non-finite step does (on_nonfinite: stop or skip), and the guard that keeps
+non-finite updates out of the weights without making the host wait for the device.
 
 Each step, the fused AdamW is handed a `found_inf` flag, as AMP's gradient scaler does: when the
 loss or the gradient norm is not finite, the optimizer kernel itself leaves the weights, its
@@ -12,6 +13,29 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# What a step with a non-finite loss or gradient norm does (train.py's on_nonfinite).
+NONFINITE_ACTIONS = ("stop", "skip")
+
+
+def check_nonfinite_action(action: object) -> None:
+    if action not in NONFINITE_ACTIONS:
+        raise ValueError(f"on_nonfinite={action!r} is not one of {', '.join(NONFINITE_ACTIONS)}")
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm stopped training (on_nonfinite=stop)."""
+
+
+def all_steps_skipped(skipped: int, steps: int) -> TrainingDiverged | None:
+    """A run whose every update was skipped (on_nonfinite=skip) learned nothing: it diverged."""
+    if not skipped >= steps > 0:
+        return None
+    return TrainingDiverged(
+        f"every one of the {steps} steps had a non-finite loss or gradient norm and was "
+        "skipped (on_nonfinite=skip): the model learned nothing. Lower optim.lr, or look for "
+        "bad values in the data"
+    )
 
 
 @dataclass

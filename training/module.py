@@ -18,12 +18,11 @@ from torchmetrics import MeanMetric, SumMetric
 from data.metrics import character_error_rate
 from data.seq2seq import pad_sequences
 from data.tokenizer import tokenizer_from_dict
+from errors import check_field_types, check_int
 from model.checkpoint import build_model
-from model.config import check_field_types
-from model.encdec import EncDecConfig, EncoderDecoder
+from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
-from model.gpt import GPTConfig
-from training.guard import UpdateGuard
+from training.guard import TrainingDiverged, UpdateGuard, check_nonfinite_action
 
 # query labels and key labels of an attention map, by the map's name
 LabelsFor = Callable[[str], tuple[list[str], list[str]]]
@@ -49,8 +48,7 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be an integer >= 0, got {self.warmup_steps}")
+        check_int("optim.warmup_steps", self.warmup_steps, minimum=0)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -61,19 +59,6 @@ class OptimConfig:
         progress = min(1.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps))
         cosine = 0.5 * (1 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine
-
-
-# What a step with a non-finite loss or gradient norm does (train.py's on_nonfinite).
-NONFINITE_ACTIONS = ("stop", "skip")
-
-
-def check_nonfinite_action(action: object) -> None:
-    if action not in NONFINITE_ACTIONS:
-        raise ValueError(f"on_nonfinite={action!r} is not one of {', '.join(NONFINITE_ACTIONS)}")
-
-
-class TrainingDiverged(RuntimeError):
-    """A non-finite loss or gradient norm stopped training (on_nonfinite=stop)."""
 
 
 class TrainingModule(L.LightningModule):
@@ -369,10 +354,3 @@ def greedy_decodes(
             greedy=True,
         )
     return outputs
-
-
-MODULES = {GPTConfig: LanguageModelModule, EncDecConfig: Seq2SeqModule}
-
-
-def module_for(config: GPTConfig | EncDecConfig) -> type[TrainingModule]:
-    return MODULES[type(config)]

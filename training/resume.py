@@ -1,22 +1,219 @@
-"""What a checkpoint needs beyond Lightning's own state for a run to continue exactly, and a
-last checkpoint when the run is told to stop.
+"""All of continuing a run: where it continues (its directory and checkpoint), the config it
+continues with, what it may not change, what its checkpoints carry, and how it stops.
 
-Lightning saves weights, optimizer, scheduler, step counters and callbacks' states. ResumeState
-adds the random streams (dropout draws from them) and the W&B run a resumed run continues;
-the data order needs nothing, since ResumableShuffle starts at the restored step.
-StopSignals turns SIGINT, like SIGTERM, into a stop at the next step boundary with a checkpoint.
+- `prepare_resume`: given ckpt_path, the run's config is composed again from the checkpoint's
+  run's overrides under this command's, and must keep the settings the checkpoint's state
+  depends on; without it, a fresh run may not overwrite another's checkpoints.
+- Lightning saves weights, optimizer, scheduler, step counters and callbacks' states.
+  ResumeState adds the random streams (dropout draws from them) and the W&B run a resumed run
+  continues; the data order needs nothing, since ResumableShuffle starts at the restored step.
+- StopSignals turns SIGINT, like SIGTERM, into a stop at the next step boundary with a
+  checkpoint.
 """
 
 import random
 import signal
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
 import torch
+from hydra import compose
+from hydra.errors import ConfigCompositionException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig, OmegaConf
+
+from model.checkpoint import find_checkpoint, load_safely
+from training.kinds import kind_of
+from training.summary import print_once
+
+# Settings a resumed run may not change: they decide what the restored state means.
+FIXED_ON_RESUME = ("model.", "data.", "seed", "optim.beta1", "optim.beta2", "optim.weight_decay")
+FREE_ON_RESUME = ("model.vocab_size", "data.num_workers", "data.num_proc", "data.cache_dir")
+
+
+def resume_run_dir(ckpt_path: str | None, new_run_dir: str) -> str:
+    """hydra.run.dir (a config resolver): a run resumed from a run directory, or from a file in
+    its checkpoints/, continues in that directory; any other run gets a new one."""
+    if ckpt_path is None or ckpt_path == "last":
+        return new_run_dir
+    path = Path(ckpt_path).expanduser()
+    if (path / "checkpoints").is_dir():
+        return str(path)
+    if path.is_file() and path.parent.name == "checkpoints":
+        return str(path.parent.parent)
+    return new_run_dir
+
+
+def hydra_record_dir(output_dir: str) -> str:
+    """hydra.output_subdir (a config resolver): .hydra, or .hydra/resume-N for a run resumed in
+    its own directory, so the record of how the run was first started is never overwritten."""
+    record = Path(output_dir) / ".hydra"
+    if not (record / "config.yaml").exists():
+        return ".hydra"
+    number = 1
+    while (record / f"resume-{number}").exists():
+        number += 1
+    return f".hydra/resume-{number}"
+
+
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def resumed_overrides(original: list[str], given: list[str]) -> list[str]:
+    """The overrides a resumed run composes: the checkpoint's run's, then this command's, which
+    win where both set a key."""
+    keys = {override_key(o) for o in given}
+    return [o for o in original if override_key(o) not in keys] + list(given)
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+    """'key: saved -> current' for every fixed setting this run changes."""
+    saved, current = flatten(saved), flatten(current)
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"
+        for key in keys
+        if key.startswith(FIXED_ON_RESUME)
+        and not key.startswith(FREE_ON_RESUME)
+        and saved.get(key) != current.get(key)
+    ]
+
+
+@dataclass
+class Resume:
+    """How a run starts: `cfg` composed from `overrides` (recorded in its checkpoints, for a
+    later resume), and, for a run that continues, the checkpoint at `path`."""
+
+    cfg: DictConfig
+    overrides: list[str]
+    path: Path | None = None
+    checkpoint: dict | None = field(default=None, repr=False)
+
+    @property
+    def saved_tokenizer(self) -> dict | None:
+        return self.checkpoint["hyper_parameters"]["tokenizer"] if self.checkpoint else None
+
+    def check_data(self, tokenizer, vocab_size: int) -> None:
+        """The data of a resumed run must give the checkpoint's tokenizer and vocabulary rows
+        (model.vocab_size is free on resume only because it is derived; a padding must match)."""
+        if self.checkpoint is None:
+            return
+        if tokenizer.to_dict() != self.saved_tokenizer:
+            raise ValueError(
+                f"ckpt_path={self.path} was trained with another tokenizer than this data "
+                "gives; resume with the data options of that run"
+            )
+        saved = self.checkpoint["hyper_parameters"]["model"]["vocab_size"]
+        if saved not in (None, vocab_size):
+            raise ValueError(
+                f"ckpt_path={self.path} has a {saved}-row vocabulary and this run asks for "
+                f"{vocab_size}: drop model.vocab_size=... to resume it"
+            )
+
+    def record(self) -> dict:
+        """What the run config records: its overrides, and where it resumed from."""
+        record: dict = {"overrides": self.overrides}
+        if self.checkpoint is not None:
+            record["resumed_from"] = {
+                "checkpoint": str(self.path),
+                "step": self.checkpoint["global_step"],
+            }
+        return record
+
+    def wandb_options(self, node: DictConfig) -> dict:
+        """For a W&B logger of a resumed run: online, continue the checkpoint's W&B run (same
+        id); offline (where W&B cannot continue a run), a new run in the same group."""
+        if self.checkpoint is None or not node.get("_target_", "").endswith("WandbLogger"):
+            return {}
+        state = self.checkpoint.get("callbacks", {}).get("ResumeState", {}).get("wandb")
+        if state is None:
+            return {}
+        if node.get("offline"):
+            return {"group": node.get("group") or state["group"]}
+        return {"id": state["id"], "resume": "must"}
+
+
+def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
+    """The run `cfg` starts, under this command's overrides `given`. Without ckpt_path, a new run
+    that would overwrite another's checkpoints is refused (a sweep job's directory is new)."""
+    given = [o for o in given if override_key(o) != "ckpt_path"]
+    path = None
+    if cfg.get("ckpt_path"):
+        path = find_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
+    if path is None:
+        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        if last.is_file() and not in_sweep:
+            raise ValueError(
+                f"hydra.run.dir={cfg.paths.output_dir} already holds a run ({last}): continue "
+                f"it with ckpt_path={cfg.paths.output_dir}, or choose another hydra.run.dir"
+            )
+        return Resume(cfg, given)
+    # Mapped, not read: Lightning reads the file itself, and this copy is kept through the run.
+    checkpoint = load_safely(path, mmap=True)
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    saved = hparams.get("run_config") if isinstance(hparams, dict) else None
+    if saved is None:
+        raise ValueError(f"ckpt_path={path} was not written by train.py: it has no run config")
+    saved_kind, asked_kind = hparams.get("kind"), kind_of(cfg.model).name
+    if "model" in {override_key(o) for o in given} and asked_kind != saved_kind:
+        raise ValueError(
+            f"ckpt_path={path} holds a {saved_kind} model and this command asks for a "
+            f"{asked_kind}: drop model=... to resume it, or start a new run without ckpt_path"
+        )
+    overrides = resumed_overrides(saved.get("overrides", []), given)
+    if overrides != given:
+        try:
+            cfg = compose("train", overrides=[*overrides, f"ckpt_path={path}"])
+        except ConfigCompositionException as error:
+            raise ValueError(
+                f"ckpt_path={path}: this command's overrides do not fit the checkpoint's run "
+                f"({' '.join(str(error).split())}); drop the ones that change its model or data"
+            ) from None
+    else:
+        cfg.ckpt_path = str(path)
+    conflicts = resume_conflicts(saved, OmegaConf.to_container(cfg, resolve=True))
+    if conflicts:
+        raise ValueError(
+            f"ckpt_path={path} cannot resume with changed settings ({'; '.join(conflicts[:4])}"
+            f"{'; ...' if len(conflicts) > 4 else ''}): drop those overrides, or start a new "
+            "run without ckpt_path"
+        )
+    print_once(
+        f"resuming from {path} at step {checkpoint['global_step']}"
+        + (f" with that run's overrides: {' '.join(overrides)}" if overrides else "")
+    )
+    return Resume(cfg, overrides, path, checkpoint)
+
+
+def find_ckpt_path(ckpt_path: str, output_dir: str) -> Path | None:
+    """The checkpoint ckpt_path names (model/checkpoint.py's rule, "last"); `last` is this run
+    directory's last.ckpt, or None when there is none yet and the run starts afresh."""
+    if ckpt_path != "last":
+        return find_checkpoint(ckpt_path, "last", "ckpt_path")
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        return last
+    print_once(
+        f"ckpt_path=last: no checkpoint in {output_dir}/checkpoints yet, so this run starts "
+        "from scratch (to continue another run, give its directory: "
+        "ckpt_path=outputs/<date>/<time>)"
+    )
+    return None
 
 
 def random_streams() -> dict:
@@ -71,7 +268,9 @@ def last_checkpoint_path(trainer: L.Trainer) -> Path | None:
 
 class StopSignals(L.Callback):
     """SIGTERM (a cluster pre-empting the job) and SIGINT (Ctrl-C) stop training at the next step
-    boundary, where the state is whole, and write last.ckpt there. A second Ctrl-C quits at once.
+    boundary, where the state is whole, and write last.ckpt there. A Ctrl-C during a validation
+    lets it finish first (its loss, and a best checkpoint, would otherwise be lost: the resumed
+    run does not repeat it). A second Ctrl-C quits at once.
 
     Lightning already turns SIGTERM into a SIGTERMException at a step boundary, on every rank of a
     distributed run; SIGINT is routed through the same path. After fit() raises, `signum` and
@@ -84,6 +283,8 @@ class StopSignals(L.Callback):
         self._previous_sigint = None
         self._sigterm_handler = None
         self._training = False
+        self._trainer: L.Trainer | None = None
+        self._stop_after_validation = False
 
     def guard_shutdown(self) -> None:
         """Called before Trainer.fit: SIGTERM gets a handler of ours, which Lightning calls
@@ -103,19 +304,32 @@ class StopSignals(L.Callback):
         # while training, Lightning's handler (called beside this one) stops at the next step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._training = True
+        self._training, self._trainer = True, trainer
         self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         self._sigterm_handler = signal.getsignal(signal.SIGTERM)
 
     def _on_sigint(self, signum: int, frame) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: quit now
+        self.signum = signal.SIGINT
+        validating = self._trainer is not None and self._trainer.validating
         print(
-            "\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to quit now)",
+            f"\nCtrl-C: stopping after this {'validation' if validating else 'step'} and saving a "
+            "checkpoint (Ctrl-C again to quit now)",
             file=sys.stderr,
         )
+        if validating:
+            self._stop_after_validation = True
+        else:
+            self._stop_at_step_boundary()
+
+    def _stop_at_step_boundary(self) -> None:
         if callable(self._sigterm_handler):  # Lightning's: it stops the loop at a step boundary
-            self._sigterm_handler(signal.SIGTERM, frame)
-        self.signum = signal.SIGINT
+            self._sigterm_handler(signal.SIGTERM, None)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_after_validation:
+            self._stop_after_validation = False
+            self._stop_at_step_boundary()
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is not None:

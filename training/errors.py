@@ -1,0 +1,41 @@
+"""What ends a training run with a one-line message rather than a traceback: the user's
+mistakes (errors.py's USER_ERRORS), Lightning's config errors, a diverged run, and memory
+running out."""
+
+import sys
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig
+
+from errors import USER_ERRORS
+from training.guard import TrainingDiverged
+
+TRAIN_ERRORS = (*USER_ERRORS, MisconfigurationException, TrainingDiverged)
+
+
+def instantiate_checked(node: DictConfig, **kwargs):
+    """hydra.utils.instantiate, with config errors (ours and Lightning's) surfacing as
+    themselves, so they print as one line."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, TRAIN_ERRORS):
+            raise cause from None
+        raise
+
+
+def out_of_memory(error: BaseException, batch_size: int, parameters: int, run_dir: str) -> None:
+    """Raise a one-line ValueError for a GPU's torch.OutOfMemoryError or the CPU allocator's
+    refusal; anything else is left to its caller."""
+    if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+        return
+    print(file=sys.stderr)  # below the progress bar, not on its line
+    raise ValueError(
+        f"out of memory at data.batch_size={batch_size} with {parameters / 1e6:.2f}M "
+        "parameters: lower data.batch_size or the model size; the checkpoints so far are intact "
+        f"(resume: python train.py ckpt_path={run_dir})"
+    ) from None

@@ -1,0 +1,135 @@
+"""What a run tells its user: the model and the baseline to beat before training, the
+end-of-run sample before training too (its prompt is checked then), and at the end the run's
+summary.json (for report.py and for people) and the printout of the best checkpoint."""
+
+import json
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from omegaconf import OmegaConf
+
+from data.lm import LMDataModule
+from data.tokenizer import tokenizer_from_dict
+from model.checkpoint import load_checkpoint
+from model.encdec import EncoderDecoder
+from model.sampling import SamplingConfig, stream_samples
+from training.attention_maps import AttentionMapLogger
+from training.module import greedy_decodes
+from training.run_history import RunHistory
+
+# print on the first process only: every rank of a distributed run runs train.py
+print_once = rank_zero_only(print)
+
+
+def describe_baseline(datamodule) -> str:
+    """What a model must beat on this data."""
+    if isinstance(datamodule, LMDataModule):
+        return f"unigram baseline val loss {datamodule.unigram_loss():.3f}"
+    copy = datamodule.copy_baseline()
+    return (
+        f"copy-the-source baseline: exact match {copy['exact_match']:.3f}, "
+        f"character error rate {copy['cer']:.3f}"
+    )
+
+
+def checked_sample(
+    sample: SamplingConfig, tokenizer, datamodule: LMDataModule, prompt_given: bool
+) -> SamplingConfig:
+    """The end-of-run sample's options, checked before training: a prompt the tokenizer cannot
+    encode is an error if the user gave it, and the default is replaced by the validation
+    text's first token (the default, 'ROMEO:', suits only the embedded plays)."""
+    try:
+        tokenizer.encode(sample.prompt)
+        return sample
+    except ValueError as error:
+        if prompt_given:
+            raise ValueError(
+                f"sample.prompt={sample.prompt!r}: {error}; give a prompt in this corpus's "
+                "characters"
+            ) from None
+    fallback = tokenizer.decode(datamodule.val_sample(1).tolist())
+    print_once(
+        f"sample.prompt={sample.prompt!r} is not in this corpus's vocabulary: sampling from "
+        f"{fallback!r}"
+    )
+    return replace(sample, prompt=fallback)
+
+
+def run_summary(
+    trainer: L.Trainer | None, callbacks: list, started: float, status: str, error: str | None
+) -> dict:
+    """summary.json's content: `status` ("completed", "diverged", "stopped by SIGTERM",
+    "failed"...), the error that ended the run, and what the run reached."""
+    summary: dict = {"status": status}
+    if error is not None:
+        summary["error"] = error
+    summary["wall_seconds"] = time.perf_counter() - started
+    if trainer is None:  # the config failed before there was a trainer
+        return summary
+    summary["steps"] = trainer.global_step
+    best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
+    summary["best_val_loss"] = None if best is None else float(best)
+    history = next((c for c in callbacks if isinstance(c, RunHistory)), None)
+    if history is not None:
+        for key in ("train/loss", "val/loss", "val/bits_per_char", "val/cer"):
+            summary[key] = history.last(key)
+        summary["train/tokens_per_sec"] = history.median("train/tokens_per_sec")
+        summary["seconds_to_first_step"] = history.first_step_seconds
+        summary["history"] = history.rows
+    maps = next((c for c in callbacks if isinstance(c, AttentionMapLogger)), None)
+    if maps is not None:
+        summary["attention/entropy_mean"] = maps.last_metrics.get("attention/entropy_mean")
+        summary["attention_maps_seconds"] = maps.seconds
+    return summary
+
+
+def write_summary(output_dir: str, summary: dict) -> None:
+    """<run dir>/summary.json, led by the job's overrides and its number in a sweep."""
+    job = HydraConfig.get()
+    number = None if OmegaConf.is_missing(job.job, "num") else job.job.num  # set in sweeps only
+    summary = {"overrides": list(job.overrides.task), "job": number, **summary}
+    path = Path(output_dir) / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))
+
+
+def print_end(
+    trainer: L.Trainer, summary: dict, sample: SamplingConfig, datamodule, run_dir: str
+) -> None:
+    """The start-up cost, where the best checkpoint is, what it produces, and the command to get
+    more. A failing sample is a warning: the run is complete and saved, a sample cannot undo it."""
+    if summary.get("seconds_to_first_step"):
+        print(f"first optimizer step {summary['seconds_to_first_step']:.1f} s after start")
+    try:
+        print_best(trainer, sample, datamodule, run_dir)
+    except Exception as error:
+        print(f"warning: the end-of-run sample failed ({error})", file=sys.stderr)
+
+
+def print_best(trainer: L.Trainer, sample: SamplingConfig, datamodule, run_dir: str) -> None:
+    callback = trainer.checkpoint_callback
+    best = callback.best_model_path if callback else ""
+    if not best:
+        return
+    print(f"\nbest checkpoint: {best} (val/loss {callback.best_model_score:.4f})")
+    model, hparams = load_checkpoint(Path(best))
+    tokenizer = tokenizer_from_dict(hparams["tokenizer"])
+    command = f"python generate.py ckpt={run_dir}"
+    if isinstance(model, EncoderDecoder):
+        pairs = datamodule.val_texts(3)
+        outputs = greedy_decodes(model, tokenizer, [s for s, _ in datamodule.val_pairs(3)])
+        for (source_text, target_text), output in zip(pairs, outputs, strict=True):
+            print(f"\nsource: {source_text}\noutput: {tokenizer.decode(output)}")
+            print(f"target: {target_text}")
+        print(f"\nmore: {command} {shlex.quote(f'source={pairs[0][0]}')} decoding=beam")
+        return
+    print("sample:\n")
+    stream_samples(model, tokenizer, sample, torch.device("cpu"))
+    print(f"\nmore: {command} {shlex.quote(f'prompt={sample.prompt}')} max_new_tokens=500")

@@ -1,0 +1,45 @@
+"""What differs when train.py runs as one job of a Hydra sweep (`-m`, or an Optuna search):
+where the Optuna study lives, the W&B names of a job, and the settings a sweep cannot run."""
+
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+
+class JobFailed(Exception):
+    """A sweep job that the user's config broke."""
+
+
+def in_sweep() -> bool:
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def sqlite_url(path: str) -> str:
+    """A SQLAlchemy URL for the sqlite file at `path`, its folder made first: an Optuna study is
+    created before Hydra makes the sweep directory it lives in."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{Path(path).resolve()}"
+
+
+def sweep_run_names(node: DictConfig) -> dict:
+    """For a W&B logger in a sweep job, what the config leaves unset: the sweep directory as the
+    group, the job's overrides as tags (W&B allows 64 characters) and as its name."""
+    if not (in_sweep() and node.get("_target_", "").endswith("WandbLogger")):
+        return {}
+    job = HydraConfig.get()
+    names = {"group": job.sweep.dir, "tags": [o[:64] for o in job.overrides.task]}
+    names["name"] = f"{job.job.num}: {job.job.override_dirname}"[:128]
+    return {key: value for key, value in names.items() if not node.get(key)}
+
+
+def check_not_ddp_in_sweep(world_size: int) -> None:
+    # Lightning starts the other ranks by re-running the command line, which in a sweep would
+    # re-run the whole sweep in every rank.
+    if world_size > 1 and in_sweep():
+        raise ValueError(
+            f"a multi-process trainer (world size {world_size}) cannot run inside a "
+            "--multirun sweep; sweep with one process per job (trainer=default), or launch "
+            "each distributed run on its own"
+        )
