@@ -4,7 +4,6 @@ machine, in whichever order or worker (pytest-xdist)."""
 import os
 import random
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -13,10 +12,8 @@ import pytest
 import torch
 from filelock import FileLock
 
+# Also puts the project's root on sys.path: tests import its modules by plain name.
 from helpers import CACHE_VARIABLES, TINY, train_run
-
-# Tests import the project's packages and helpers (tests/helpers.py) by plain name.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Nothing a test does may read or write the user's own caches and settings (Hugging Face
 # datasets, W&B, matplotlib), or find what another machine left there. Set before any of those

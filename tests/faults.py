@@ -28,6 +28,21 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SignalDuringValidation(L.Callback):
+    """Send this process the signal `signum` in the validation after step `step`, once its
+    first batch is done."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int, *args
+    ) -> None:
+        fresh = trainer.ckpt_path is None and not trainer.sanity_checking
+        if fresh and trainer.global_step == self.step and batch_idx == 0:
+            os.kill(os.getpid(), self.signum)
+
+
 class NaNGradientAt(L.Callback):
     """Make one gradient NaN in step `step + 1` (and in the `count - 1` steps after it), after
     backward and before the update."""

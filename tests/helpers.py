@@ -1,5 +1,5 @@
-"""What the tests share: the project root and running its commands as a user would, in an
-environment that is the same on every machine."""
+"""What the tests share: the project root, tiny models, and running the project's commands as a
+user would, in an environment that is the same on every machine."""
 
 import os
 import signal
@@ -10,8 +10,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# The tests import the project's modules (model, errors, train, report...) by plain name; so do
+# the lines below. conftest.py imports this file first.
+sys.path.insert(0, str(ROOT))
+
+from model.attention import AttentionConfig  # noqa: E402
+from model.encdec import EncDecConfig, EncoderDecoder  # noqa: E402
+from model.gpt import GPT, GPTConfig  # noqa: E402
 
 # A GPT that trains in seconds: the end-to-end tests' default run.
 TINY = [
@@ -30,26 +38,30 @@ TINY = [
     "sample.max_new_tokens=40",
 ]
 
-# Variables of the caller's shell that change what a run does: a cluster's or launcher's ranks
-# and ports (Lightning would join a process group), W&B's mode and service, a full traceback
-# instead of one line, and thread counts (other float results).
-FOREIGN = ("WANDB_", "HYDRA_", "SLURM_", "TORCHELASTIC_", "PL_", "LOCAL_RANK", "NODE_RANK")
-FOREIGN_EXACT = {"RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
-# The smallest GPT the fault tests train: one layer, a 32-token block, csv logging; each test
-# adds its own steps, validations and faults.
-SMALLEST = [
+# The smallest GPT the tests train: one layer, a 32-token block; each run adds its own steps,
+# validations, attention heads, logger and faults.
+SMALLEST_BASE = [
     "model.n_layer=1",
     "model.n_embd=32",
     "model.block_size=32",
-    "model.attention.n_head=2",
     "data.batch_size=8",
     "trainer.limit_val_batches=2",
     "trainer.num_sanity_val_steps=0",
     "callbacks.attention_maps.sample_length=16",
     "sample.max_new_tokens=10",
-    "logger=csv",
 ]
+# The fault tests' smallest run: two heads and csv logging.
+SMALLEST = [*SMALLEST_BASE, "model.attention.n_head=2", "logger=csv"]
 
+# The special token ids of the tests' encoder-decoders; ids from FIRST_WORD up are words.
+PAD, BOS, EOS = 0, 1, 2
+FIRST_WORD = 3
+
+# Variables of the caller's shell that change what a run does: a cluster's or launcher's ranks
+# and ports (Lightning would join a process group), W&B's mode and service, a full traceback
+# instead of one line, and thread counts (other float results).
+FOREIGN = ("WANDB_", "HYDRA_", "SLURM_", "TORCHELASTIC_", "PL_", "LOCAL_RANK", "NODE_RANK")
+FOREIGN_EXACT = {"RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
 # The libraries' caches and settings, which conftest.py points at a private folder per test
 # process (and which the commands the tests start inherit): folder names inside it.
 CACHE_VARIABLES = {
@@ -60,6 +72,71 @@ CACHE_VARIABLES = {
     "WANDB_DATA_DIR": "wandb/data",
     "MPLCONFIGDIR": "matplotlib",
 }
+
+
+def tiny_gpt_config(
+    vocab_size: int,
+    position: str = "learned",
+    *,
+    n_head: int = 4,
+    n_kv_head: int | None = None,
+    window: int | None = None,
+    **overrides,
+) -> GPTConfig:
+    """tiny_gpt's config: 2 layers, width 32, a 16-token block and the attention knobs given;
+    `overrides` are other GPTConfig fields (block_size, n_layer, bias, even a whole attention)."""
+    values = {
+        "block_size": 16,
+        "n_layer": 2,
+        "n_embd": 32,
+        "position": position,
+        "attention": AttentionConfig(n_head=n_head, n_kv_head=n_kv_head, window=window),
+        **overrides,
+    }
+    return GPTConfig(vocab_size=vocab_size, **values)
+
+
+def tiny_gpt(vocab_size: int, position: str = "learned", **options) -> GPT:
+    """An untrained GPT small enough for any unit test, in eval mode; `options` are
+    tiny_gpt_config's. Its weights come from torch's global generator: the same seed, the same
+    model."""
+    return GPT(tiny_gpt_config(vocab_size, position, **options)).eval()
+
+
+def tiny_encdec(
+    vocab_size: int,
+    position: str = "learned",
+    *,
+    n_head: int = 4,
+    n_kv_head: int | None = None,
+    window: int | None = None,
+    **overrides,
+) -> EncoderDecoder:
+    """An untrained encoder-decoder small enough for any unit test, in eval mode: 2 encoder and
+    2 decoder layers, width 32, sources and targets of up to 16 tokens and the attention knobs
+    given; `overrides` are other EncDecConfig fields (cross_position, max_target_len...)."""
+    values = {
+        "n_embd": 32,
+        "n_encoder_layer": 2,
+        "n_decoder_layer": 2,
+        "max_source_len": 16,
+        "max_target_len": 16,
+        "position": position,
+        "attention": AttentionConfig(n_head=n_head, n_kv_head=n_kv_head, window=window),
+        **overrides,
+    }
+    return EncoderDecoder(EncDecConfig(vocab_size=vocab_size, **values)).eval()
+
+
+@torch.no_grad()
+def sharpened(model: torch.nn.Module, factor: float = 4.0) -> torch.nn.Module:
+    """`model` with every weight matrix scaled by `factor`, in place: peakier attention and
+    outputs than the small init gives, so that dependences show clearly and greedy decoding
+    picks EOS now and then."""
+    for param in model.parameters():
+        if param.dim() == 2:
+            param.mul_(factor)
+    return model
 
 
 def clean_env(cache_dir: Path, **extra: str) -> dict[str, str]:

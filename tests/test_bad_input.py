@@ -65,7 +65,7 @@ CASES = [
      "error: ckpt_path={run}/checkpoints/last.ckpt holds a gpt model and this command asks "
      "for a encdec"),
     ("negative_max_new_tokens", "generate.py", ["ckpt={run}", "max_new_tokens=-1"],
-     "error: max_new_tokens must be an integer >= 0, got -1"),
+     "error: max_new_tokens must be a non-negative integer, got -1"),
     ("top_p_above_one", "generate.py", ["ckpt={run}", "top_p=1.5"],
      "error: top_p must be in (0, 1] or null, got 1.5"),
     ("top_p_zero", "generate.py", ["ckpt={run}", "top_p=0"],
@@ -83,8 +83,8 @@ CASES = [
     ("unknown_device", "generate.py", ["ckpt={run}", "device=tpu"],
      "error: device='tpu' is not available here"),
     ("generate_missing_checkpoint", "generate.py", ["ckpt={tmp}/nope"],
-     "error: checkpoint {tmp}/nope does not exist: pass ckpt=<run dir> (runs live under "
-     "outputs/) or ckpt=<file.ckpt>"),
+     "error: ckpt={tmp}/nope: no checkpoint at {tmp}/nope; give the directory of a run that "
+     "saved checkpoints (runs live under outputs/) or a .ckpt file"),
     ("generate_checkpoint_that_runs_code", "generate.py", ["ckpt={tmp}/evil.ckpt"],
      "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
     ("generate_foreign_checkpoint", "generate.py", ["ckpt={tmp}/foreign.ckpt"],

@@ -6,12 +6,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from model.attention import AttentionConfig
-from model.encdec import DecoderCache, EncDecConfig, EncoderDecoder
+from helpers import BOS, EOS, FIRST_WORD, PAD, sharpened, tiny_encdec
+from model.encdec import DecoderCache, EncoderDecoder
 from model.generation import beam_search, decode_greedy_or_sample
-
-PAD, BOS, EOS = 0, 1, 2
-FIRST_WORD = 3
 
 
 @torch.no_grad()
@@ -22,20 +19,17 @@ def random_model(
     next-token distributions are peaky, EOS comes up at varied lengths and outputs depend on
     the source."""
     torch.manual_seed(seed)
-    config = EncDecConfig(
-        vocab_size=vocab,
+    model = tiny_encdec(
+        vocab,
+        position,
+        n_head=2,
         n_embd=16,
         n_encoder_layer=1,
         n_decoder_layer=1,
         max_source_len=12,
         max_target_len=12,
-        position=position,
-        attention=AttentionConfig(n_head=2),
     )
-    model = EncoderDecoder(config).eval()
-    for param in model.parameters():
-        if param.dim() == 2:
-            param.mul_(sharpness)
+    sharpened(model, sharpness)
     for block in model.decoder:  # let the source weigh more against the decoder's own state
         block.cross_attn.out_proj.weight.mul_(3.0)
     return model

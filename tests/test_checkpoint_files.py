@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, small_disk
+from helpers import ROOT, small_disk, tiny_gpt_config
 from model.checkpoint import load_safely, model_state
-from model.gpt import GPT, GPTConfig
+from model.gpt import GPT
 from training.checkpoint_io import partial_files, save_durably
 
 # Saves a new checkpoint over argv[1], with a fault that kills the process (SIGKILL) midway:
@@ -103,7 +103,7 @@ def test_truncated_checkpoint_error_names_the_file(tmp_path):
 
 
 def test_compiled_and_plain_models_load_each_others_weights():
-    config = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_embd=16)
+    config = tiny_gpt_config(11, block_size=8, n_layer=1, n_embd=16)
     plain = GPT(config)
     in_place = GPT(config)
     in_place.compile()  # what train.py's compile=true does: the keys do not change

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import BOS, EOS, FIRST_WORD, PAD, sharpened, tiny_encdec
 from model.attention import AttentionConfig
 from model.blocks import POSITIONS
 from model.encdec import EncDecConfig, EncoderDecoder
@@ -11,33 +12,6 @@ from model.generation import beam_search, decode_greedy_or_sample
 from model.inspect import record_attention
 
 VOCAB = 13
-PAD, BOS, EOS = 0, 1, 2
-FIRST_WORD = 3  # ids below are special tokens
-
-
-def tiny_model(position="learned", n_kv_head=None, window=None, **overrides) -> EncoderDecoder:
-    values = {
-        "vocab_size": VOCAB,
-        "n_embd": 32,
-        "n_encoder_layer": 2,
-        "n_decoder_layer": 2,
-        "max_source_len": 16,
-        "max_target_len": 16,
-        "position": position,
-        "attention": AttentionConfig(n_head=4, n_kv_head=n_kv_head, window=window),
-    }
-    values.update(overrides)
-    return EncoderDecoder(EncDecConfig(**values)).eval()
-
-
-@torch.no_grad()
-def sharpened(model: EncoderDecoder, factor: float = 4.0) -> EncoderDecoder:
-    """Scale every weight matrix: peakier attention and outputs than the small init gives, so
-    that dependences show clearly and greedy decoding picks EOS now and then."""
-    for param in model.parameters():
-        if param.dim() == 2:
-            param.mul_(factor)
-    return model
 
 
 def padded_source(lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +48,7 @@ LENGTHS = [5, 9, 3]
 @pytest.mark.parametrize("case", list(CASES))
 @torch.no_grad()
 def test_encoder_ignores_padded_source_tokens(case):
-    model = sharpened(tiny_model(**CASES[case]))
+    model = sharpened(tiny_encdec(VOCAB, **CASES[case]))
     source, mask = padded_source(LENGTHS, 9)
     memory = model.encode(source, mask)
     scrambled = model.encode(scramble_padding(source, mask), mask)
@@ -92,7 +66,7 @@ def test_encoder_ignores_padded_source_tokens(case):
 @pytest.mark.parametrize("case", list(CASES))
 @torch.no_grad()
 def test_decoder_output_ignores_padded_source_tokens(case):
-    model = sharpened(tiny_model(**CASES[case]))
+    model = sharpened(tiny_encdec(VOCAB, **CASES[case]))
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 6))
     logits, _ = model(source, target_in, mask)
@@ -107,7 +81,7 @@ def test_decoder_output_ignores_padded_source_tokens(case):
 @pytest.mark.parametrize("case", list(CASES))
 @torch.no_grad()
 def test_decoder_position_never_sees_later_targets(case):
-    model = sharpened(tiny_model(**CASES[case]))
+    model = sharpened(tiny_encdec(VOCAB, **CASES[case]))
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 8))
     logits, _ = model(source, target_in, mask)
@@ -137,7 +111,7 @@ def cross_and_self_records(model, source, mask, target_in):
 
 @torch.no_grad()
 def test_cross_attention_weights_are_zero_on_padded_source():
-    model = tiny_model("rope", n_kv_head=2)
+    model = tiny_encdec(VOCAB, "rope", n_kv_head=2)
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 6))
     records = cross_and_self_records(model, source, mask, target_in)
@@ -168,7 +142,7 @@ def test_cross_attention_weights_are_zero_on_padded_source():
 @torch.no_grad()
 def test_attention_window_does_not_restrict_cross_attention():
     # Source and target positions are unrelated: the window is a self-attention setting.
-    model = tiny_model("learned", window=1)
+    model = tiny_encdec(VOCAB, "learned", window=1)
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 6))
     records = cross_and_self_records(model, source, mask, target_in)
@@ -189,7 +163,7 @@ def test_attention_window_does_not_restrict_cross_attention():
 @pytest.mark.parametrize("case", list(CASES))
 @torch.no_grad()
 def test_cached_decode_matches_full_decode(case, prompt_len):
-    model = tiny_model(**CASES[case])
+    model = tiny_encdec(VOCAB, **CASES[case])
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 10))
     memory = model.encode(source, mask)
@@ -205,7 +179,7 @@ def test_cached_decode_matches_full_decode(case, prompt_len):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cached_greedy_decoding_equals_uncached(case):
-    model = sharpened(tiny_model(**CASES[case]))
+    model = sharpened(tiny_encdec(VOCAB, **CASES[case]))
     source, mask = padded_source([6, 9, 2, 4], 9)
     kwargs = {"bos_id": BOS, "eos_id": EOS, "max_new_tokens": 12, "greedy": True}
     cached = decode_greedy_or_sample(model, source, mask, use_cache=True, **kwargs)
@@ -229,7 +203,7 @@ def count_calls(modules) -> tuple[list[int], list]:
 
 @torch.no_grad()
 def test_cross_attention_projects_the_memory_once_per_decode():
-    model = tiny_model("rope")
+    model = tiny_encdec(VOCAB, "rope")
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 7))
     memory = model.encode(source, mask)
@@ -282,7 +256,7 @@ def reverse_task(n_pairs: int, max_len: int):
 
 
 def test_overfits_small_batch_then_decoders_reproduce_targets_that_are_clearly_best():
-    model = tiny_model("learned", n_encoder_layer=1, n_decoder_layer=2).train()
+    model = tiny_encdec(VOCAB, "learned", n_encoder_layer=1, n_decoder_layer=2).train()
     source, source_mask, target_in, target_mask, targets, outputs = reverse_task(8, 6)
     optimizer = torch.optim.AdamW(model.optimizer_groups(0.0), lr=1e-2)
     first_loss = None
@@ -323,14 +297,14 @@ def test_overfits_small_batch_then_decoders_reproduce_targets_that_are_clearly_b
 
 @torch.no_grad()
 def test_shared_embeddings_tie_source_target_and_head():
-    model = tiny_model(shared_embeddings=True)
+    model = tiny_encdec(VOCAB, shared_embeddings=True)
     assert model.src_emb is model.tgt_emb
     assert model.lm_head.weight is model.src_emb.weight
     model.src_emb.weight[5].zero_()
     logits, _ = model(torch.randint(FIRST_WORD, VOCAB, (1, 4)), torch.randint(VOCAB, (1, 3)))
     assert (logits[..., 5] == 0).all()
 
-    separate = tiny_model(shared_embeddings=False)
+    separate = tiny_encdec(VOCAB, shared_embeddings=False)
     assert separate.src_emb is not separate.tgt_emb
     assert separate.src_emb.weight is not separate.tgt_emb.weight
     assert separate.lm_head.weight is separate.tgt_emb.weight  # the head is still tied
@@ -346,7 +320,7 @@ def test_shared_embeddings_tie_source_target_and_head():
     # Editing the source table changes the encoding of a source that uses token 5 only.
     with_five = torch.tensor([[5, 3, 4]])
     without_five = torch.tensor([[3, 4, 6]])
-    fresh = tiny_model(shared_embeddings=False)
+    fresh = tiny_encdec(VOCAB, shared_embeddings=False)
     memories = [fresh.encode(s) for s in (with_five, without_five)]
     fresh.src_emb.weight[5].mul_(3)
     assert not torch.allclose(fresh.encode(with_five), memories[0])
@@ -354,8 +328,8 @@ def test_shared_embeddings_tie_source_target_and_head():
 
 
 def test_loss_label_smoothing_and_ignored_positions():
-    plain = tiny_model(label_smoothing=0.0)
-    smooth = tiny_model(label_smoothing=0.2)
+    plain = tiny_encdec(VOCAB, label_smoothing=0.0)
+    smooth = tiny_encdec(VOCAB, label_smoothing=0.2)
     smooth.load_state_dict(plain.state_dict())
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 6))
@@ -437,7 +411,7 @@ def test_model_needs_vocab_size():
 @pytest.mark.parametrize("position", ["learned", "sinusoidal"])
 @torch.no_grad()
 def test_sequences_longer_than_the_limits_raise(position):
-    model = tiny_model(position, max_source_len=8, max_target_len=5)
+    model = tiny_encdec(VOCAB, position, max_source_len=8, max_target_len=5)
     model.encode(torch.full((1, 8), FIRST_WORD))
     with pytest.raises(ValueError, match=r"9 tokens .*model\.max_source_len=8"):
         model.encode(torch.full((1, 9), FIRST_WORD))
@@ -464,7 +438,7 @@ def test_config_cross_position_choices():
 def test_cross_rope_scores_depend_on_target_source_offset_only():
     """Shifting target and source positions together leaves cross-attention scores unchanged;
     with cross_position=none the scores do not depend on positions at all."""
-    model = sharpened(tiny_model("none", cross_position="rope"))
+    model = sharpened(tiny_encdec(VOCAB, "none", cross_position="rope"))
     cross = model.decoder[0].cross_attn
     x, memory = torch.randn(1, 1, 32), torch.randn(1, 6, 32)
     at_0 = cross.scores(x, memory, query_offset=0)[0, :, 0]  # (H, S): query at target position 0
@@ -474,7 +448,7 @@ def test_cross_rope_scores_depend_on_target_source_offset_only():
     shifted_memory = torch.cat((torch.randn(1, 2, 32), memory[:, :4]), dim=1)
     at_2_shifted = cross.scores(x, shifted_memory, query_offset=2)[0, :, 0]
     torch.testing.assert_close(at_2_shifted[:, 2:], at_0[:, :4], atol=1e-5, rtol=1e-5)
-    plain = sharpened(tiny_model("none")).decoder[0].cross_attn
+    plain = sharpened(tiny_encdec(VOCAB, "none")).decoder[0].cross_attn
     torch.testing.assert_close(
         plain.scores(x, memory, query_offset=0), plain.scores(x, memory, query_offset=5)
     )

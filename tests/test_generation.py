@@ -3,23 +3,11 @@
 import pytest
 import torch
 
-from model.attention import AttentionConfig
+from helpers import tiny_gpt
 from model.generation import filter_logits, generate, next_token
-from model.gpt import GPT, GPTConfig
+from model.gpt import GPT
 
 VOCAB = 29
-
-
-def tiny_gpt(position="learned", block_size=16, **attention) -> GPT:
-    config = GPTConfig(
-        vocab_size=VOCAB,
-        block_size=block_size,
-        n_layer=2,
-        n_embd=32,
-        position=position,
-        attention=AttentionConfig(n_head=4, **attention),
-    )
-    return GPT(config).eval()
 
 
 @torch.no_grad()
@@ -133,7 +121,7 @@ def test_sampling_follows_the_filtered_distribution():
     ],
 )
 def test_greedy_with_and_without_cache_agree_within_block_size(position, attention):
-    model = tiny_gpt(position, block_size=16, **attention)
+    model = tiny_gpt(VOCAB, position, block_size=16, **attention)
     idx = torch.randint(VOCAB, (3, 5))
     # the 12th token is predicted from 5 + 11 = block_size tokens: the cache is exactly full
     cached = run(model, idx, 12, greedy=True, use_cache=True)
@@ -144,7 +132,7 @@ def test_greedy_with_and_without_cache_agree_within_block_size(position, attenti
 
 @torch.no_grad()
 def test_greedy_tokens_are_the_argmax_of_the_full_forward():
-    model = tiny_gpt("rope")
+    model = tiny_gpt(VOCAB, "rope")
     idx = torch.randint(VOCAB, (2, 4))
     tokens = run(model, idx, 6, greedy=True)
     assert_decisive(model, idx, tokens)
@@ -166,7 +154,7 @@ def record_calls(model: GPT) -> list[tuple[torch.Tensor, int | None]]:
 
 
 def test_cache_feeds_one_token_per_step_and_rebuilds_from_half_a_block():
-    model = tiny_gpt("rope", block_size=8)
+    model = tiny_gpt(VOCAB, "rope", block_size=8)
     calls = record_calls(model)
     idx = torch.randint(VOCAB, (2, 3))
     tokens = run(model, idx, 10, greedy=True, use_cache=True)
@@ -179,7 +167,7 @@ def test_cache_feeds_one_token_per_step_and_rebuilds_from_half_a_block():
 
 
 def test_without_cache_every_step_reads_the_last_block():
-    model = tiny_gpt("rope", block_size=8)
+    model = tiny_gpt(VOCAB, "rope", block_size=8)
     calls = record_calls(model)
     idx = torch.randint(VOCAB, (2, 11))
     tokens = run(model, idx, 4, greedy=True, use_cache=False)
@@ -192,7 +180,7 @@ def test_without_cache_every_step_reads_the_last_block():
 
 @pytest.mark.parametrize("position", ["rope", "learned", "alibi"])
 def test_generation_runs_past_block_size(position):
-    model = tiny_gpt(position, block_size=8)
+    model = tiny_gpt(VOCAB, position, block_size=8)
     idx = torch.randint(VOCAB, (2, 11))  # the prompt alone is longer than block_size
     for use_cache in (True, False):
         tokens = run(model, idx, 20, greedy=True, use_cache=use_cache)
@@ -202,7 +190,7 @@ def test_generation_runs_past_block_size(position):
 
 @pytest.mark.parametrize("block_size", [1, 2, 3])
 def test_generation_with_a_tiny_block_size(block_size):
-    model = tiny_gpt("rope", block_size=block_size)
+    model = tiny_gpt(VOCAB, "rope", block_size=block_size)
     idx = torch.randint(VOCAB, (2, 3))
     cached = run(model, idx, 5, greedy=True, use_cache=True)
     assert cached.shape == (2, 5)
@@ -215,7 +203,7 @@ def test_generation_with_a_tiny_block_size(block_size):
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator():
-    model = tiny_gpt("rope")
+    model = tiny_gpt(VOCAB, "rope")
     idx = torch.randint(VOCAB, (2, 3))
 
     def sample(seed):
@@ -228,7 +216,7 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
 
 
 def test_batch_rows_are_generated_independently():
-    model = tiny_gpt("alibi")
+    model = tiny_gpt(VOCAB, "alibi")
     idx = torch.randint(VOCAB, (3, 4))
     batched = run(model, idx, 6, greedy=True)
     assert_decisive(model, idx, batched)
@@ -238,7 +226,7 @@ def test_batch_rows_are_generated_independently():
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_padding_rows_of_the_vocabulary_are_never_produced(use_cache):
-    model = tiny_gpt()
+    model = tiny_gpt(VOCAB)
     real = VOCAB - 5  # the last 5 rows pad the embedding, as model.vocab_size > tokenizer's
     with torch.no_grad():
         model.lm_head.weight[real:] = model.lm_head.weight[real:].sign() * 50  # padding wins

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from data.lm import LMDataModule
-from model.gpt import GPTConfig
+from helpers import tiny_gpt_config
 from training.module import LanguageModelModule
 
 TEXT = "\n\n".join(f"Speaker {i}:\nSome words, and more words; line {i % 7}." for i in range(200))
@@ -28,7 +28,7 @@ def test_bits_per_char_is_loss_per_character_of_val_text(tmp_path, tokenizer):
     )
     data.prepare_data()
     data.setup()
-    config = GPTConfig(vocab_size=data.vocab_size, block_size=16, n_layer=1, n_embd=32)
+    config = tiny_gpt_config(data.vocab_size, n_layer=1)
     module = LanguageModelModule(config.to_dict(), {"lr": 1e-3}, data.tokenizer.to_dict())
     trainer = L.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False

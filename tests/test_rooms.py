@@ -1,5 +1,7 @@
-"""The house's doors run one way: model/ is plain PyTorch, and generate.py loads no training
-stack. Checked in a fresh interpreter, where nothing else has imported anything yet."""
+"""The house's doors run one way: train.py -> training/ -> model/ and data/; generate.py ->
+model/ and the tokenizer. model/ is plain PyTorch, model/ and data/ never import each other,
+and no room imports an entry point. Checked in a fresh interpreter, where nothing else has
+imported anything yet. (errors.py, plain Python, is shared by every room.)"""
 
 import subprocess
 import sys
@@ -20,6 +22,13 @@ TRAINING_STACK = (
 )
 
 
+ENTRY_POINTS = {"train", "generate", "report"}
+
+
+def room_modules(room: str) -> list[str]:
+    return sorted(f"{room}.{p.stem}" for p in (ROOT / room).glob("*.py") if p.stem != "__init__")
+
+
 def loaded_after(code: str) -> set[str]:
     """The names of the modules in sys.modules after running `code` afresh, and of their
     top-level packages."""
@@ -32,11 +41,19 @@ def loaded_after(code: str) -> set[str]:
     return names | {name.split(".")[0] for name in names}
 
 
-@pytest.mark.parametrize(
-    "module", sorted(p.stem for p in (ROOT / "model").glob("*.py") if p.stem != "__init__")
-)
+@pytest.mark.parametrize("module", room_modules("model"))
 def test_every_model_module_imports_no_training_stack(module):
-    assert not loaded_after(f"import model.{module}") & set(TRAINING_STACK)
+    assert not loaded_after(f"import {module}") & {*TRAINING_STACK, *ENTRY_POINTS}
+
+
+def test_data_imports_neither_model_nor_training_nor_an_entry_point():
+    code = "\n".join(f"import {module}" for module in room_modules("data"))
+    assert not loaded_after(code) & {"model", "training", *ENTRY_POINTS}
+
+
+def test_training_imports_no_entry_point():
+    code = "\n".join(f"import {module}" for module in room_modules("training"))
+    assert not loaded_after(code) & ENTRY_POINTS
 
 
 def test_generate_loads_the_model_and_tokenizer_only():

@@ -1,6 +1,7 @@
 """What a careless user or an unkind machine does to a run directory, tried for real: a kill
-after a validation that was not a best, a corpus the default sample prompt does not fit, a run
-directory copied elsewhere and resumed, and two writers in one directory."""
+after a validation that was not a best, Ctrl-C during a validation, a corpus the default
+sample prompt does not fit, a run directory copied elsewhere and resumed, and two writers in
+one directory."""
 
 import json
 import resource
@@ -46,6 +47,27 @@ def test_last_checkpoint_is_written_at_every_validation_and_at_the_end(tmp_path)
     resumed = run_training(cache, f"ckpt_path={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert step_of(checkpoints / "last.ckpt") == 7  # the end of training, between validations
+
+
+def test_ctrl_c_during_a_validation_lets_it_finish_then_stops(tmp_path):
+    """Ctrl-C in the middle of a validation: the validation finishes (its loss is recorded and
+    last.ckpt written after it), the run stops with status 130, and resumed it reaches the
+    validation losses of a run never interrupted."""
+    cache, whole, stopped = tmp_path / "cache", tmp_path / "whole", tmp_path / "stopped"
+    command = [*SMALLEST, "trainer.max_steps=8", "trainer.val_check_interval=4"]
+    command += ["trainer.limit_val_batches=4"]
+    done = run_training(cache, *command, f"hydra.run.dir={whole}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ctrl_c = fault("SignalDuringValidation", step=4, signum=signal.SIGINT)
+    interrupted = run_training(cache, *command, f"hydra.run.dir={stopped}", *ctrl_c)
+    assert interrupted.returncode == 128 + signal.SIGINT, interrupted.stderr[-3000:]
+    assert val_losses(stopped) == {4: val_losses(whole)[4]}
+    assert "Ctrl-C: stopping after this validation" in interrupted.stderr
+    assert step_of(stopped / "checkpoints" / "last.ckpt") == 4
+
+    resumed = run_training(cache, f"ckpt_path={stopped}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert val_losses(stopped) == val_losses(whole)
 
 
 def test_default_prompt_outside_the_vocabulary_falls_back_and_a_given_one_fails_early(tmp_path):

@@ -11,21 +11,11 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 import report
-from helpers import ROOT, run_script
+from helpers import ROOT, SMALLEST_BASE, run_script
 from wandb_offline import history, run_info
 
-TINY = [
-    "model.n_layer=1",
-    "model.n_embd=32",
-    "model.block_size=32",
-    "data.batch_size=8",
-    "trainer.max_steps=12",
-    "trainer.val_check_interval=6",
-    "trainer.limit_val_batches=2",
-    "trainer.num_sanity_val_steps=0",
-    "callbacks.attention_maps.sample_length=16",
-    "sample.max_new_tokens=10",
-]
+# A sweep's job: the smallest run, whose heads and logger the tests choose, for 12 steps.
+JOB = [*SMALLEST_BASE, "trainer.max_steps=12", "trainer.val_check_interval=6"]
 EXPERIMENTS = ["ablation_scale", "ablation_heads", "ablation_position", "ablation_window"]
 EXPERIMENTS.append("ablation_kv_heads")
 
@@ -78,7 +68,7 @@ def cache(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_grid_runs_every_job_an_invalid_one_fails_alone_and_report_lists_them(tmp_path, cache):
     sweep = tmp_path / "grid"
-    overrides = ["-m", "model.attention.n_head=2,3,4", *TINY, f"hydra.sweep.dir={sweep}"]
+    overrides = ["-m", "model.attention.n_head=2,3,4", *JOB, f"hydra.sweep.dir={sweep}"]
     result = run_script("train.py", *overrides, cache_dir=cache, env={"WANDB_MODE": "offline"})
     assert result.returncode == 1  # the sweep reports that a job failed...
     message = "model.n_embd=32 is not divisible by model.attention.n_head=3"
@@ -123,7 +113,7 @@ def test_grid_runs_every_job_an_invalid_one_fails_alone_and_report_lists_them(tm
 @pytest.mark.slow
 def test_optuna_search_records_failed_and_best_trials(tmp_path, cache):
     sweep = tmp_path / "search"
-    overrides = ["hparams_search=attention", "hydra.sweeper.n_trials=3", *TINY, "logger=csv"]
+    overrides = ["hparams_search=attention", "hydra.sweeper.n_trials=3", *JOB, "logger=csv"]
     # Half the space is invalid (8 key/value heads for 1 query head): those trials fail, and
     # the search goes on.
     overrides += ["model.attention.n_head=1", "model.attention.n_kv_head=choice(1,8)"]
