@@ -1,9 +1,9 @@
 """Train a model from the shell: `python train.py [group=choice] [key=value ...]`.
 
-Hydra composes configs/train.yaml and makes the run directory; then one run is five steps:
+Hydra composes configs/train.yaml and makes the run directory; then a run is four steps:
 check (every option, before any data loads; given ckpt_path, the checkpoint's run's config),
-build (data, LightningModule, loggers, Trainer), fit, summarise (summary.json and the
-end-of-run printout). train() returns the best validation loss, which sweepers minimise.
+build (Trainer, data, LightningModule), fit, summarise (summary.json and the end-of-run
+printout). train() returns the best validation loss, which Hydra's sweepers minimise.
 """
 
 import dataclasses
@@ -48,9 +48,9 @@ from training.summary import (
     write_summary,
 )
 from training.sweep import (
-    JobFailed,
     check_not_ddp_in_sweep,
     in_sweep,
+    run_sweep_job,
     sqlite_url,
     sweep_run_names,
 )
@@ -74,6 +74,10 @@ class Plan:
     @property
     def cfg(self) -> DictConfig:
         return self.resume.cfg
+
+    @property
+    def run_dir(self) -> str:
+        return self.resume.cfg.paths.output_dir
 
 
 def check_options(cfg: DictConfig) -> Plan:
@@ -130,73 +134,72 @@ def build_module(plan: Plan, tokenizer) -> L.LightningModule:
     return module
 
 
-def fit(cfg: DictConfig) -> float | None:
-    started = time.perf_counter()
-    plan = check_options(cfg)
-    cfg, run_dir = plan.cfg, plan.cfg.paths.output_dir
-    datamodule = instantiate_checked(cfg.data)
+def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
+    """The Trainer with the config's callbacks and loggers, and ours: the state a resumed run
+    needs, and the stop on SIGTERM or Ctrl-C."""
     stop = StopSignals()
-    callbacks = [instantiate_checked(c) for c in (cfg.get("callbacks") or {}).values()]
-    callbacks += [ResumeState(), stop]
+    callbacks = [instantiate_checked(c) for c in (plan.cfg.get("callbacks") or {}).values()]
     loggers = [
         instantiate_checked(c, **sweep_run_names(c), **plan.resume.wandb_options(c))
-        for c in (cfg.get("logger") or {}).values()
+        for c in (plan.cfg.get("logger") or {}).values()
     ]
     trainer = instantiate_checked(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[DurableCheckpointIO()]
+        plan.cfg.trainer,
+        callbacks=[*callbacks, ResumeState(), stop],
+        logger=loggers or False,
+        plugins=[DurableCheckpointIO()],
     )
     check_not_ddp_in_sweep(trainer.world_size)
-    L.seed_everything(cfg.seed, workers=True)
-    prepare_data(plan, datamodule)
-    tokenizer = datamodule.tokenizer
-    module = build_module(plan, tokenizer)
-    if trainer.is_global_zero:
-        tokenizer.save(Path(run_dir) / "tokenizer.json")
-        parameters = module.model.num_parameters() / 1e6
-        print(f"model: {parameters:.2f}M parameters; {describe_baseline(datamodule)}")
-    for logger in loggers:
-        logger.log_hyperparams(module.hparams.run_config)
+    return trainer, stop
 
-    status, error = "completed", None
+
+def run_fit(trainer: L.Trainer, module, datamodule, plan: Plan, stop: StopSignals) -> tuple:
+    """(status, error): how Trainer.fit ended. Running out of memory is a one-line error."""
     stop.guard_shutdown()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=plan.resume.path, weights_only=True)
-        error = all_steps_skipped(module.skipped_steps, trainer.global_step)
     except SIGTERMException:
-        status = f"stopped by {signal.Signals(stop.signum).name}"
+        return f"stopped by {signal.Signals(stop.signum).name}", None
     except TrainingDiverged as diverged:
-        error = diverged
+        return "diverged", diverged
     except RuntimeError as failure:  # torch.OutOfMemoryError (a GPU's) is one too
-        out_of_memory(failure, cfg.data.batch_size, module.model.num_parameters(), run_dir)
+        parameters = module.model.num_parameters()
+        out_of_memory(failure, plan.cfg.data.batch_size, parameters, plan.run_dir)
         raise
-    status = "diverged" if error else status
+    error = all_steps_skipped(module.skipped_steps, trainer.global_step)
+    return ("diverged" if error else "completed"), error
+
+
+def fit(cfg: DictConfig) -> float | None:
+    started = time.perf_counter()
+    plan = check_options(cfg)
+    datamodule = instantiate_checked(plan.cfg.data)
+    trainer, stop = build_trainer(plan)
+    L.seed_everything(plan.cfg.seed, workers=True)
+    prepare_data(plan, datamodule)
+    module = build_module(plan, datamodule.tokenizer)
+    if trainer.is_global_zero:
+        datamodule.tokenizer.save(Path(plan.run_dir) / "tokenizer.json")
+        parameters = module.model.num_parameters() / 1e6
+        print(f"model: {parameters:.2f}M parameters; {describe_baseline(datamodule)}")
+    for logger in trainer.loggers:
+        logger.log_hyperparams(module.hparams.run_config)
+
+    status, error = run_fit(trainer, module, datamodule, plan, stop)
 
     if trainer.is_global_zero:
-        summary = run_summary(trainer, callbacks, started, status, error and str(error))
-        write_summary(run_dir, summary)
+        summary = run_summary(trainer, started, status, error and str(error))
+        write_summary(plan.run_dir, summary)
     if error:
         raise error
     if stop.signum:
-        end_stopped_run(trainer, stop, run_dir)
+        stop.exit(trainer, plan.run_dir)
     if trainer.is_global_zero:
-        print_end(trainer, summary, plan.sample, datamodule, run_dir)
+        print_end(trainer, summary, plan.sample, datamodule, plan.run_dir)
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     if score is None:
         score = trainer.callback_metrics.get("val/loss")
     return None if score is None else float(score)
-
-
-def end_stopped_run(trainer: L.Trainer, stop: StopSignals, run_dir: str) -> None:
-    """How to continue a run that SIGTERM or SIGINT stopped, and the exit status a shell gives a
-    process that signal ended (128 + signal number), so job schedulers see it."""
-    if trainer.is_global_zero:
-        saved = f"saved {stop.saved}" if stop.saved else "no checkpoint callback, nothing saved"
-        print(
-            f"stopped by {signal.Signals(stop.signum).name} after step {trainer.global_step}; "
-            f"{saved}; continue with: python train.py ckpt_path={run_dir}",
-            file=sys.stderr,
-        )
-    sys.exit(128 + stop.signum)
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -206,28 +209,11 @@ def train(cfg: DictConfig) -> float | None:
         return fit(cfg)
 
 
-def train_sweep_job(cfg: DictConfig) -> float | None:
-    """One job of a sweep. A job the user's config breaks (say n_head=3 with n_embd=128) fails
-    with a one-line message and a failed summary.json, and its error goes back to the sweeper,
-    which records it (Optuna marks the trial failed) while the other jobs run on."""
-    started = time.perf_counter()
-    try:
-        return train(cfg)
-    except TRAIN_ERRORS as error:
-        job = HydraConfig.get().job
-        message = f"job {job.num} ({job.override_dirname}): {error}"
-        print(f"error: {message}", file=sys.stderr)
-        if not isinstance(error, TrainingDiverged):  # a diverged run has written its summary
-            summary = run_summary(None, [], started, "failed", str(error))
-            write_summary(cfg.paths.output_dir, summary)
-        raise JobFailed(message) from None
-
-
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     try:
         if in_sweep():
-            return train_sweep_job(cfg)
+            return run_sweep_job(train, cfg)
         return exit_on_user_error(lambda: train(cfg), TRAIN_ERRORS)
     finally:
         # Every job ends its W&B run, failed or not: a sweep's next job must not log into it.

@@ -16,6 +16,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import lightning as L
 import torch
@@ -339,6 +340,18 @@ class StopSignals(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training = False
         self._restore_sigint()
+
+    def exit(self, trainer: L.Trainer, run_dir: str) -> NoReturn:
+        """After fit() stopped on a signal: how to continue, and the exit status a shell gives a
+        process that signal ended (128 + signal number), so job schedulers see it."""
+        if trainer.is_global_zero:
+            saved = f"saved {self.saved}" if self.saved else "no checkpoint callback, nothing saved"
+            print(
+                f"stopped by {signal.Signals(self.signum).name} after step {trainer.global_step}; "
+                f"{saved}; continue with: python train.py ckpt_path={run_dir}",
+                file=sys.stderr,
+            )
+        sys.exit(128 + self.signum)
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException

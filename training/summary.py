@@ -62,9 +62,7 @@ def checked_sample(
     return replace(sample, prompt=fallback)
 
 
-def run_summary(
-    trainer: L.Trainer | None, callbacks: list, started: float, status: str, error: str | None
-) -> dict:
+def run_summary(trainer: L.Trainer | None, started: float, status: str, error: str | None) -> dict:
     """summary.json's content: `status` ("completed", "diverged", "stopped by SIGTERM",
     "failed"...), the error that ended the run, and what the run reached."""
     summary: dict = {"status": status}
@@ -76,14 +74,14 @@ def run_summary(
     summary["steps"] = trainer.global_step
     best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     summary["best_val_loss"] = None if best is None else float(best)
-    history = next((c for c in callbacks if isinstance(c, RunHistory)), None)
+    history = next((c for c in trainer.callbacks if isinstance(c, RunHistory)), None)
     if history is not None:
         for key in ("train/loss", "val/loss", "val/bits_per_char", "val/cer"):
             summary[key] = history.last(key)
         summary["train/tokens_per_sec"] = history.median("train/tokens_per_sec")
         summary["seconds_to_first_step"] = history.first_step_seconds
         summary["history"] = history.rows
-    maps = next((c for c in callbacks if isinstance(c, AttentionMapLogger)), None)
+    maps = next((c for c in trainer.callbacks if isinstance(c, AttentionMapLogger)), None)
     if maps is not None:
         summary["attention/entropy_mean"] = maps.last_metrics.get("attention/entropy_mean")
         summary["attention_maps_seconds"] = maps.seconds

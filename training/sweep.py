@@ -1,15 +1,38 @@
 """What differs when train.py runs as one job of a Hydra sweep (`-m`, or an Optuna search):
 where the Optuna study lives, the W&B names of a job, and the settings a sweep cannot run."""
 
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from training.errors import TRAIN_ERRORS
+from training.guard import TrainingDiverged
+from training.summary import run_summary, write_summary
+
 
 class JobFailed(Exception):
     """A sweep job that the user's config broke."""
+
+
+def run_sweep_job(train: Callable[[DictConfig], float | None], cfg: DictConfig) -> float | None:
+    """One job of a sweep. A job the user's config breaks (say n_head=3 with n_embd=128) fails
+    with a one-line message and a failed summary.json, and its error goes back to the sweeper,
+    which records it (Optuna marks the trial failed) while the other jobs run on."""
+    started = time.perf_counter()
+    try:
+        return train(cfg)
+    except TRAIN_ERRORS as error:
+        job = HydraConfig.get().job
+        message = f"job {job.num} ({job.override_dirname}): {error}"
+        print(f"error: {message}", file=sys.stderr)
+        if not isinstance(error, TrainingDiverged):  # a diverged run has written its summary
+            write_summary(cfg.paths.output_dir, run_summary(None, started, "failed", str(error)))
+        raise JobFailed(message) from None
 
 
 def in_sweep() -> bool:
