@@ -43,6 +43,15 @@ class SignalDuringValidation(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class NaNWeights(L.Callback):
+    """Make one weight NaN before training starts: every loss, validation's included, is NaN."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
+        if trainer.ckpt_path is None:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = torch.nan
+
+
 class NaNGradientAt(L.Callback):
     """Make one gradient NaN in step `step + 1` (and in the `count - 1` steps after it), after
     backward and before the update."""

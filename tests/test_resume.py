@@ -5,6 +5,7 @@ Faults come from tests/faults.py, added to a run with +callbacks.fault=... overr
 """
 
 import json
+import math
 import shutil
 import signal
 from pathlib import Path
@@ -238,6 +239,20 @@ def test_a_run_whose_every_step_is_skipped_ends_diverged(tmp_path, cache):
     ]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["steps"] == 10
+
+
+@pytest.mark.slow
+def test_a_non_finite_validation_loss_is_never_the_best_checkpoint(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"hydra.run.dir={run_dir}", "on_nonfinite=skip", "trainer.max_steps=10"]
+    overrides += ["trainer.val_check_interval=5"]
+    result = run_training(cache, *overrides, *fault("NaNWeights"))
+    assert result.returncode == 1  # every step skipped: diverged
+    summary = json.loads((run_dir / "summary.json").read_text())
+    val_losses = [row["val/loss"] for row in summary["history"] if "val/loss" in row]
+    assert len(val_losses) == 2 and all(math.isnan(loss) for loss in val_losses)
+    assert summary["best_val_loss"] is None
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt"]
 
 
 @pytest.mark.slow

@@ -107,12 +107,19 @@ class RunCheckpoint(ModelCheckpoint):
       since its last validation and a finished run's last.ckpt is its final state;
     - the best-checkpoint record survives a run directory that was moved or copied (Lightning
       drops it when the folder's path changed): the record's files are found by name in the
-      folder the run has now.
+      folder the run has now;
+    - a non-finite validation loss is never a best (Lightning keeps it, as inf, while fewer
+      than save_top_k checkpoints exist: then sampling "the best" fails).
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._last_written_step = -1
+
+    def check_monitor_top_k(self, trainer: L.Trainer, current: torch.Tensor | None = None) -> bool:
+        if current is not None and not torch.isfinite(current):
+            return False
+        return super().check_monitor_top_k(trainer, current)
 
     def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
         super()._save_last_checkpoint(trainer, monitor_candidates)
