@@ -40,6 +40,9 @@ BATCH_ROWS = 1000  # documents per `datasets.map` batch
 class LMDataConfig:
     source: str = "shakespeare"  # shakespeare | text_files | hub
     paths: list[str] = field(default_factory=list)  # text_files: files, globs or folders
+    # text_files: the validation text, as files, globs or folders (then paths is all training
+    # text and val_fraction is not used)
+    val_paths: list[str] = field(default_factory=list)
     text_column: str = "text"  # .jsonl files and Hub datasets: the column holding the text
     name: str | None = None  # hub: the dataset's name
     config: str | None = None  # hub: its configuration, if it has several
@@ -75,6 +78,13 @@ class LMDataConfig:
             raise ValueError(f"data.text_column must be a column name, got {self.text_column!r}")
         # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
         self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
+        self.val_paths = [self.val_paths] if isinstance(self.val_paths, str) else self.val_paths
+        self.val_paths = list(self.val_paths or ())
+        if self.val_paths and self.source != "text_files":
+            raise ValueError(
+                f"data.val_paths is only read by source=text_files, got source={self.source}; "
+                "e.g. data=text_files 'data.paths=[train.txt]' 'data.val_paths=[valid.txt]'"
+            )
         # Each source's own key: required by that source, and meaningless to the others.
         for source, key, example in (
             ("text_files", "paths", "data=text_files 'data.paths=[corpus/*.txt]'"),
@@ -114,6 +124,13 @@ def _split_rows(batch: dict, indices: list[int], val_fraction: float, by_tail: b
             for text, i in zip(texts, indices, strict=True)
         ]
     return {"train": [t for t, _ in parts], "val": [v for _, v in parts]}
+
+
+def _whole_rows(batch: dict, split: str) -> dict:
+    """Each document whole in `split` ("train" or "val"), nothing in the other."""
+    texts = [text.strip("\n") for text in batch["text"]]  # separators come between documents
+    empty = [""] * len(texts)
+    return {"train": texts, "val": empty} if split == "train" else {"train": empty, "val": texts}
 
 
 def _encode_rows(batch: dict, tokenizer: CharTokenizer | BPETokenizer) -> dict:
@@ -192,7 +209,11 @@ class LMDataModule(CachedDataModule):
         c = self.config
         if c.source == "text_files":
             files = expand_paths(c.paths, list(TEXT_BUILDERS))
-            return {"files": file_fingerprint(files), "text_column": c.text_column}
+            key = {"files": file_fingerprint(files), "text_column": c.text_column}
+            if c.val_paths:
+                val_files = expand_paths(c.val_paths, list(TEXT_BUILDERS), "data.val_paths")
+                key["val_files"] = file_fingerprint(val_files)
+            return key
         if c.source == "hub":
             return {"hub": [c.name, c.config], "text_column": c.text_column}
         return c.source
@@ -224,12 +245,30 @@ class LMDataModule(CachedDataModule):
         elif c.source == "text_files":
             files = expand_paths(c.paths, list(TEXT_BUILDERS))
             docs = load_text_files(files, c.text_column, cache_dir, c.streaming)
+            if c.val_paths:
+                return self._given_split(docs)
         else:
             docs = load_hub_text(c.name, c.config, c.text_column, cache_dir, c.streaming)
         # A play's tail keeps val in the same style as train; a corpus of many documents gives
         # whole documents to val, which a stream can decide one document at a time.
         split = partial(_split_rows, val_fraction=c.val_fraction, by_tail=c.source == "shakespeare")
         return self._map(docs, split, "split", with_indices=True, remove_columns=["text"])
+
+    def _given_split(self, train_docs):
+        """The documents of data.paths as training text and those of data.val_paths as
+        validation text, whole."""
+        c = self.config
+        files = expand_paths(c.val_paths, list(TEXT_BUILDERS), "data.val_paths")
+        val_docs = load_text_files(
+            files, c.text_column, Path(c.cache_dir), c.streaming, "data.val_paths"
+        )
+        parts = [
+            self._map(
+                docs, partial(_whole_rows, split=split), f"split-{split}", remove_columns=["text"]
+            )
+            for split, docs in (("train", train_docs), ("val", val_docs))
+        ]
+        return datasets.concatenate_datasets(parts)
 
     def _map(self, ds, function, step: str, **kwargs):
         """`ds.map(function, batched=True)`, over num_proc processes when ds is in memory or on

@@ -130,13 +130,16 @@ def is_val_document(index: int, val_fraction: float) -> bool:
 TEXT_BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json"}
 
 
-def expand_paths(patterns: Sequence[str], suffixes: Sequence[str]) -> list[Path]:
+def expand_paths(
+    patterns: Sequence[str], suffixes: Sequence[str], key: str = "data.paths"
+) -> list[Path]:
     """The files named by `patterns` (files, globs, or folders searched recursively for files
-    ending in `suffixes`), each glob's and folder's matches sorted, in order, made absolute."""
+    ending in `suffixes`), each glob's and folder's matches sorted, in order, made absolute.
+    `key` is the option that gave them, for the messages."""
     if isinstance(patterns, str) or not patterns:
         raise ValueError(
-            f"data.paths must be a non-empty list of files, globs or folders, got {patterns!r}; "
-            "e.g. 'data.paths=[corpus/*.txt]'"
+            f"{key} must be a non-empty list of files, globs or folders, got {patterns!r}; "
+            f"e.g. '{key}=[corpus/*.txt]'"
         )
     files: list[Path] = []
     for pattern in map(os.path.expanduser, patterns):
@@ -144,19 +147,19 @@ def expand_paths(patterns: Sequence[str], suffixes: Sequence[str]) -> list[Path]
             matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
             matches = [m for m in matches if m.is_file()]
             if not matches:
-                raise FileNotFoundError(f"data.paths: no file matches {pattern!r}; check the glob")
+                raise FileNotFoundError(f"{key}: no file matches {pattern!r}; check the glob")
             files += matches
         elif Path(pattern).is_dir():
             found = sorted(f for f in Path(pattern).rglob("*") if f.suffix.lower() in suffixes)
             if not found:
                 raise FileNotFoundError(
-                    f"data.paths: the folder {pattern} holds no {'/'.join(suffixes)} files"
+                    f"{key}: the folder {pattern} holds no {'/'.join(suffixes)} files"
                 )
             files += found
         elif Path(pattern).is_file():
             files.append(Path(pattern))
         else:
-            raise FileNotFoundError(f"data.paths: no file at {pattern}; check the path")
+            raise FileNotFoundError(f"{key}: no file at {pattern}; check the path")
     return [f.resolve() for f in files]
 
 
@@ -193,16 +196,21 @@ def _with_text_column(ds, column: str, where: str):
 
 
 def load_text_files(
-    files: Sequence[Path], text_column: str, cache_dir: Path, streaming: bool = False
+    files: Sequence[Path],
+    text_column: str,
+    cache_dir: Path,
+    streaming: bool = False,
+    key: str = "data.paths",
 ) -> datasets.Dataset | datasets.IterableDataset:
     """.txt/.md files (a document per paragraph) and .jsonl files (a document per row, its
-    `text_column`), in the order given, as one dataset with a "text" column."""
+    `text_column`), in the order given, as one dataset with a "text" column. `key` is the
+    option that named the files, for the messages."""
     parts = []
     for f in files:
         builder = TEXT_BUILDERS.get(f.suffix.lower())
         if builder is None:
             known = ", ".join(TEXT_BUILDERS)
-            raise ValueError(f"data.paths: {f} has an unsupported extension; use one of {known}")
+            raise ValueError(f"{key}: {f} has an unsupported extension; use one of {known}")
         if not f.read_bytes().strip():
             continue  # an empty file holds no document (and `datasets` cannot type its rows)
         options = {"sample_by": "paragraph"} if builder == "text" else {}
@@ -217,13 +225,13 @@ def load_text_files(
             )
         except datasets.exceptions.DatasetGenerationError as error:
             raise ValueError(
-                f"data.paths: cannot read {f} ({error.__cause__ or error}); check that it is "
+                f"{key}: cannot read {f} ({error.__cause__ or error}); check that it is "
                 "UTF-8 text, or JSON Lines with one object per line"
             ) from error
         parts.append(_with_text_column(ds, "text" if builder == "text" else text_column, str(f)))
     if not parts:
         shown = ", ".join(str(f) for f in files)
-        raise ValueError(f"data.paths: every file is empty ({shown}); point it at some text")
+        raise ValueError(f"{key}: every file is empty ({shown}); point it at some text")
     return datasets.concatenate_datasets(parts)
 
 

@@ -60,6 +60,31 @@ def test_text_files_folder_documents_and_split(corpus, tmp_path):
     assert [Path(f).name for f, *_ in meta["key"]["files"]] == ["a.txt", "b.md", "c.jsonl"]
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_val_paths_name_the_validation_text(corpus, tmp_path, streaming):
+    """data.paths is then all training text and data.val_paths all validation text, whole: a
+    corpus's train.txt + valid.txt, or nanoGPT's split of tiny-shakespeare."""
+    valid = tmp_path / "valid.txt"
+    valid.write_text("\n\n".join(PARAGRAPHS[5:8]) + "\n")
+    options = dict(source="text_files", paths=[str(corpus / "a.txt")], cache_dir=tmp_path)
+    module = prepared(**options, val_paths=[str(valid)], streaming=streaming)
+    assert split_text(module, "train") == "\n\n".join(PARAGRAPHS[:20])
+    assert split_text(module, "val") == "\n\n".join(PARAGRAPHS[5:8])
+    # Other validation files are another cache entry, and the split by fraction a third.
+    valid.write_text(PARAGRAPHS[9])
+    assert split_text(prepared(**options, val_paths=[str(valid)]), "val") == PARAGRAPHS[9]
+    by_fraction = prepared(**options)
+    assert split_text(by_fraction, "val") == "\n\n".join(PARAGRAPHS[9:20:10])
+
+
+def test_val_paths_errors_name_the_key(corpus, tmp_path):
+    options = dict(source="text_files", paths=[str(corpus / "a.txt")], cache_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"data.val_paths: no file at .*nope.txt"):
+        prepared(**options, val_paths=[str(tmp_path / "nope.txt")])
+    with pytest.raises(ValueError, match="data.val_paths is only read by source=text_files"):
+        LMDataModule(val_paths=[str(corpus / "a.txt")])
+
+
 def test_text_files_globs_and_edits_make_a_new_entry(corpus, tmp_path):
     options = dict(source="text_files", paths=[str(corpus / "*.txt")], cache_dir=tmp_path)
     first = prepared(**options).cache_entry
