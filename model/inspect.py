@@ -12,12 +12,14 @@ close to one-hot and its gradients vanish.
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from torch import Tensor, nn
+
+if TYPE_CHECKING:  # matplotlib loads when a figure is drawn: recording and statistics need none
+    from matplotlib.figure import Figure
 
 from model.attention import MultiHeadAttention, masked_softmax
 
@@ -84,8 +86,11 @@ def plot_heads(
     query_labels: list[str] | None,
     key_labels: list[str] | None,
     title: str,
-) -> Figure:
+) -> "Figure":
     """One heatmap per head, a row per record; queries on the y axis, keys on the x axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     rows, cols = len(records), max(r.weights.size(0) for r in records)
     height = 2.8 * rows + 0.4
     figure = Figure(figsize=(2.8 * cols, height))
@@ -122,6 +127,6 @@ def plot_heads(
     return figure
 
 
-def figure_to_array(figure: Figure) -> np.ndarray:
+def figure_to_array(figure: "Figure") -> np.ndarray:
     figure.canvas.draw()
     return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()

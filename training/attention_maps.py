@@ -1,6 +1,7 @@
 """Attention maps and per-head statistics of a fixed validation sample, logged while training
 (the recording, statistics and figures are model/inspect.py's)."""
 
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -8,23 +9,19 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
-from matplotlib.image import imsave
 
 from errors import check_int
-from model.inspect import (
-    AttentionRecord,
-    figure_to_array,
-    head_statistics,
-    plot_heads,
-    record_attention,
-)
+from model.inspect import AttentionRecord, head_statistics, record_attention
+from training.map_drawing import DrawnMap, MapDrawer, MapJob
 
 
 class AttentionMapLogger(L.Callback):
     """Every `every_n_steps` steps and at the end of training, log the attention of a sample.
 
-    Images go to W&B (one per attention layer, every head a panel) and always to
-    `out_dir` as PNG files; per-head entropy and score std go to every logger as metrics.
+    Per-head entropy and score std go to every logger as metrics at once. The figures (one per
+    attention layer, every head a panel) are drawn in a process of their own
+    (training/map_drawing.py) into `out_dir` as PNG files, and go to W&B when drawn, at the
+    step they show; training waits for them only at its end.
     """
 
     def __init__(
@@ -42,15 +39,26 @@ class AttentionMapLogger(L.Callback):
         self.max_labelled_tokens = max_labelled_tokens
         self.out_dir = Path(out_dir) if out_dir else None
         self._last_logged_step = -1
+        self._drawer: MapDrawer | None = None
         self.last_metrics: dict[str, float] = {}  # the statistics of the latest maps
-        self.seconds = 0.0  # spent drawing and logging maps: their cost to the run
+        self.seconds = 0.0  # spent on the training thread: the maps' cost to the run
+        self.drawing_seconds = 0.0  # spent drawing, in the drawing process
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step % self.every_n_steps == 0:
             self.log_attention(trainer, pl_module)
+        elif self._drawer is not None:
+            self._log_drawn(trainer, wait=False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.log_attention(trainer, pl_module)
+        if self._drawer is not None:
+            self._log_drawn(trainer, wait=True)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._drawer is not None:
+            self._drawer.close()
+            self._drawer = None
 
     def log_attention(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         step = trainer.global_step
@@ -65,45 +73,74 @@ class AttentionMapLogger(L.Callback):
             records = record_attention(pl_module.model, run)
         finally:
             pl_module.train(was_training)
-        self._publish(trainer, records, labels_for, step)
+        self._log_statistics(trainer, records, step)
+        self._submit(records, labels_for, step)
         self.seconds += time.perf_counter() - started
 
-    def _publish(
-        self,
-        trainer: L.Trainer,
-        records: list[AttentionRecord],
-        labels_for: Callable[[str], tuple[list[str], list[str]]],
-        step: int,
+    def _log_statistics(
+        self, trainer: L.Trainer, records: list[AttentionRecord], step: int
     ) -> None:
         metrics: dict[str, float] = {}
         entropies = []
         for record in records:
             stats = head_statistics(record)
             entropies.append(stats["entropy"])
-            for head in range(record.weights.size(0)):
-                for stat, values in stats.items():
-                    metrics[f"attention/{record.name}/head{head}/{stat}"] = values[head].item()
+            for stat, values in stats.items():
+                for head, value in enumerate(values.tolist()):  # one host transfer per statistic
+                    metrics[f"attention/{record.name}/head{head}/{stat}"] = value
         metrics["attention/entropy_mean"] = torch.cat(entropies).mean().item()
         self.last_metrics = metrics
-        images = {}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _submit(
+        self,
+        records: list[AttentionRecord],
+        labels_for: Callable[[str], tuple[list[str], list[str]]],
+        step: int,
+    ) -> None:
+        if self._drawer is None:
+            self._drawer = MapDrawer()
+            self.out_dir = self.out_dir or Path(tempfile.mkdtemp(prefix="attention_maps-"))
         for record in records:
             query_labels, key_labels = labels_for(record.name)
             if max(len(query_labels), len(key_labels)) > self.max_labelled_tokens:
                 query_labels = key_labels = None
-            title = f"{record.name} — step {step}"
-            figure = plot_heads([record], query_labels, key_labels, title)
-            image = figure_to_array(figure)  # drawn once, for both the file and W&B
-            if self.out_dir is not None:
-                path = self.out_dir / f"{record.name.replace('/', '_')}_step{step:06d}.png"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                imsave(path, image)
-            images[f"attention/{record.name}"] = image
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                # One W&B row per logging step: maps and statistics share the same _step.
-                import wandb  # loaded by the logger already; W&B-free runs never import it
+            arrays = (record.weights.cpu().numpy(), record.scores.cpu().numpy())
+            self._drawer.submit(
+                MapJob(
+                    step=step,
+                    key=f"attention/{record.name}",
+                    path=str(self.out_dir / f"{record.name.replace('/', '_')}_step{step:06d}.png"),
+                    title=f"{record.name} — step {step}",
+                    records=[(record.name, *arrays)],
+                    query_labels=query_labels,
+                    key_labels=key_labels,
+                )
+            )
 
-                pictures = {key: wandb.Image(image) for key, image in images.items()}
-                logger.log_metrics({**metrics, **pictures}, step=step)
-            else:
-                logger.log_metrics(metrics, step=step)
+    def _log_drawn(self, trainer: L.Trainer, wait: bool) -> None:
+        started = time.perf_counter()
+        drawn = self._drawer.drawn(wait=wait)
+        for figure in drawn:
+            self.drawing_seconds += figure.seconds
+            if figure.path is None:
+                print(f"warning: attention map {figure.key} not drawn: {figure.error}")
+        wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        if wandb_loggers and any(figure.path for figure in drawn):
+            self._log_images(wandb_loggers, drawn)
+        if not wait:
+            self.seconds += time.perf_counter() - started
+
+    @staticmethod
+    def _log_images(loggers: list[WandbLogger], drawn: list[DrawnMap]) -> None:
+        import wandb  # loaded by the logger already; W&B-free runs never import it
+
+        for step in sorted({figure.step for figure in drawn}):
+            images = {
+                figure.key: wandb.Image(figure.path)
+                for figure in drawn
+                if figure.step == step and figure.path
+            }
+            for logger in loggers:
+                logger.log_metrics(images, step=step)

@@ -100,7 +100,9 @@ class TrainingModule(L.LightningModule):
         raise NotImplementedError
 
     def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
-        """A forward pass over a fixed validation sample, and the axis labels of its maps."""
+        """A forward pass over a fixed validation sample, and the axis labels of its maps. The
+        pass calls forward() itself, eagerly: through a compiled model (compile=true), the
+        recording hooks would make torch.compile recompile it at every map."""
         raise NotImplementedError
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
@@ -272,7 +274,7 @@ class LanguageModelModule(TrainingModule):
     def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
         sample = datamodule.val_sample(min(length, self.model.config.block_size)).to(self.device)
         labels = self.token_labels(sample.tolist())
-        return (lambda: self.model(sample[None])), (lambda name: (labels, labels))
+        return (lambda: self.model.forward(sample[None])), (lambda name: (labels, labels))
 
 
 class Seq2SeqModule(TrainingModule):
@@ -334,7 +336,7 @@ class Seq2SeqModule(TrainingModule):
                 return target_labels, source_labels
             return target_labels, target_labels
 
-        return (lambda: self.model(source, target)), labels_for
+        return (lambda: self.model.forward(source, target)), labels_for
 
 
 def greedy_decodes(

@@ -1,0 +1,38 @@
+"""The attention-map drawing process (training/map_drawing.py): what the trainer sends comes back
+drawn as PNG files, a map that cannot be drawn is reported without ending the others, and
+close() ends the process."""
+
+import numpy as np
+from matplotlib.image import imread
+
+from training.map_drawing import MapDrawer, MapJob
+
+
+def job(tmp_path, step: int, shape: tuple = (2, 3, 3), labels: list[str] | None = None) -> MapJob:
+    weights = np.full(shape, 1 / 3, dtype=np.float32)
+    return MapJob(
+        step=step,
+        key="attention/layer0/attn",
+        path=str(tmp_path / f"map{step}.png"),
+        title=f"step {step}",
+        records=[("layer0/attn", weights, np.zeros_like(weights))],
+        query_labels=labels,
+        key_labels=labels,
+    )
+
+
+def test_maps_are_drawn_in_another_process_and_failures_reported(tmp_path):
+    drawer = MapDrawer()
+    try:
+        drawer.submit(job(tmp_path, 10, labels=["a", "b", "c"]))
+        drawer.submit(job(tmp_path, 20, shape=(2, 3)))  # no query axis: cannot be drawn
+        drawer.submit(job(tmp_path, 30, shape=(4, 3, 3)))
+        drawn = drawer.drawn(wait=True)
+    finally:
+        drawer.close()
+    assert [(d.step, d.path is None) for d in drawn] == [(10, False), (20, True), (30, False)]
+    assert drawn[1].error
+    wide, narrow = imread(drawn[2].path), imread(drawn[0].path)
+    assert wide.shape[1] > narrow.shape[1] > 100  # four head panels against two
+    assert drawer._process.returncode == 0
+    assert drawer.drawn() == []

@@ -1,0 +1,150 @@
+"""Attention maps drawn in a process of their own, so that training never waits for matplotlib.
+
+Drawing a layer's heads takes 0.1-2 s of Python, which on the training thread stalls every
+step behind it (88 s of a 302 s GPU run). The training process records the maps on its device
+and sends them here as numpy arrays; `python -m training.map_drawing` (a plain process, not a
+fork of the trainer: it imports torch, numpy and matplotlib only) draws each into a PNG file at
+low priority and answers with the path, which the callback then logs.
+"""
+
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class MapJob:
+    """One figure: the attention records (name, weights (H, Tq, Tk), scores) of one layer."""
+
+    step: int
+    key: str  # the logged name, e.g. attention/layer0/attn
+    path: str  # the PNG file to write
+    title: str
+    records: list[tuple[str, np.ndarray, np.ndarray]]
+    query_labels: list[str] | None
+    key_labels: list[str] | None
+
+
+@dataclass
+class DrawnMap:
+    step: int
+    key: str
+    path: str | None  # None: drawing failed, `error` says why
+    seconds: float
+    error: str | None = None
+
+
+class MapDrawer:
+    """The parent's side: submit() never blocks; drawn() returns the maps finished so far (all
+    of them with wait=True); close() ends the drawing process."""
+
+    def __init__(self) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "training.map_drawing"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self._outbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue = queue.Queue()
+        self._pending = 0
+        # Threads move the pickles through the pipes: a full pipe blocks them, never training.
+        threading.Thread(target=self._send, daemon=True).start()
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    def _send(self) -> None:
+        for job in iter(self._outbox.get, None):
+            pickle.dump(job, self._process.stdin)
+            self._process.stdin.flush()
+        self._process.stdin.close()
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                self._inbox.put(pickle.load(self._process.stdout))
+        except (EOFError, OSError, pickle.UnpicklingError):
+            self._inbox.put(None)  # the process ended
+
+    def submit(self, job: MapJob) -> None:
+        self._pending += 1
+        self._outbox.put(job)
+
+    def drawn(self, wait: bool = False) -> list[DrawnMap]:
+        maps = []
+        while self._pending:
+            try:
+                reply = self._inbox.get(block=wait)
+            except queue.Empty:
+                break
+            if reply is None:
+                raise RuntimeError(
+                    f"the attention-map drawing process ended ({self._process.wait()}) with "
+                    f"{self._pending} maps undrawn"
+                )
+            self._pending -= 1
+            maps.append(reply)
+        return maps
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+
+def draw(job: MapJob) -> DrawnMap:
+    import torch
+    from matplotlib.image import imsave
+
+    from model.inspect import AttentionRecord, figure_to_array, plot_heads
+
+    started = time.perf_counter()
+    records = [
+        AttentionRecord(name, torch.from_numpy(weights), torch.from_numpy(scores))
+        for name, weights, scores in job.records
+    ]
+    figure = plot_heads(records, job.query_labels, job.key_labels, job.title)
+    Path(job.path).parent.mkdir(parents=True, exist_ok=True)
+    imsave(job.path, figure_to_array(figure))
+    return DrawnMap(job.step, job.key, job.path, time.perf_counter() - started)
+
+
+def serve() -> None:
+    """Draw jobs from stdin until it closes; answer each on stdout."""
+    os.nice(10)  # the trainer's CPU time comes first
+    jobs, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a library's print goes to stderr, not into the replies
+    while True:
+        try:
+            job = pickle.load(jobs)
+        except EOFError:
+            return
+        try:
+            reply = draw(job)
+        except Exception as error:  # a map that cannot be drawn must not end the others
+            reply = DrawnMap(job.step, job.key, None, 0.0, f"{type(error).__name__}: {error}")
+        pickle.dump(reply, replies)
+        replies.flush()
+
+
+if __name__ == "__main__":
+    # From the module by its name: the replies' classes must unpickle in the trainer as
+    # training.map_drawing's, not as this __main__'s.
+    from training.map_drawing import serve as serve_by_name
+
+    serve_by_name()
