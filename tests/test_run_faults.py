@@ -49,6 +49,24 @@ def test_last_checkpoint_is_written_at_every_validation_and_at_the_end(tmp_path)
     assert step_of(checkpoints / "last.ckpt") == 7  # the end of training, between validations
 
 
+def test_a_best_checkpoint_and_last_ckpt_of_one_step_are_one_file_written_once(tmp_path):
+    """A validation that writes a best checkpoint makes last.ckpt a hard link to it, and the
+    next last.ckpt (no new best) replaces that name only."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    command = [*SMALLEST, *FROZEN, "trainer.val_check_interval=2", f"hydra.run.dir={run_dir}"]
+    first = run_training(cache, *command, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    best, last = run_dir / "checkpoints" / "best-step2.ckpt", run_dir / "checkpoints" / "last.ckpt"
+    assert best.samefile(last) and best.stat().st_nlink == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0 < summary["checkpoint_seconds"] < summary["wall_seconds"]
+
+    resumed = run_training(cache, f"ckpt_path={run_dir}", "trainer.max_steps=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not best.samefile(last) and best.stat().st_nlink == 1
+    assert (step_of(best), step_of(last)) == (2, 4)
+
+
 def test_ctrl_c_during_a_validation_lets_it_finish_then_stops(tmp_path):
     """Ctrl-C in the middle of a validation: the validation finishes (its loss is recorded and
     last.ckpt written after it), the run stops with status 130, and resumed it reaches the

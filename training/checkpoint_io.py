@@ -3,6 +3,8 @@
 
 import fcntl
 import os
+import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import IO, Any
@@ -30,7 +32,7 @@ def save_durably(checkpoint: dict[str, Any], path: Path) -> None:
     unique to this write, so two writers of one path never rename each other's half-written
     file. A full disk is a ValueError naming the folder, and its temporary file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+    temporary = temporary_name(path)
     try:
         with open(temporary, "wb") as f:
             torch.save(checkpoint, f)
@@ -46,11 +48,40 @@ def save_durably(checkpoint: dict[str, Any], path: Path) -> None:
                 f"ckpt_path={path.parent.parent}"
             ) from None
         raise
-    folder = os.open(path.parent, os.O_RDONLY)
+    fsync_folder(path.parent)
+
+
+def link_durably(source: Path, path: Path) -> None:
+    """Give the finished file `source` the second name `path`, replacing what was there at
+    once: a hard link (no second copy of the bytes), or a copy where the file system has no
+    hard links."""
+    temporary = temporary_name(path)
     try:
-        os.fsync(folder)
+        os.link(source, temporary)
+    except OSError:
+        shutil.copyfile(source, temporary)
+        with open(temporary, "rb") as f:
+            os.fsync(f.fileno())
+    try:
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
+
+
+def temporary_name(path: Path) -> Path:
+    """Hidden, no *.ckpt, and unique to this write: see save_durably."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` survive a power cut."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
     finally:
-        os.close(folder)
+        os.close(descriptor)
 
 
 def claim_run_dir(run_dir: Path) -> IO:
@@ -81,15 +112,22 @@ def claim_run_dir(run_dir: Path) -> IO:
 
 class DurableCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO with save_durably for local files (Lightning's own atomic save
-    renames without an fsync) and load_safely for every load, resuming included."""
+    renames without an fsync) and load_safely for every load, resuming included. `seconds`:
+    the time spent writing, the checkpoints' cost to the run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
     ) -> None:
+        started = time.perf_counter()
         if storage_options is not None or "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)  # remote storage
-            return
-        save_durably(checkpoint, Path(path))
+        else:
+            save_durably(checkpoint, Path(path))
+        self.seconds += time.perf_counter() - started
 
     def load_checkpoint(
         self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
@@ -109,7 +147,9 @@ class RunCheckpoint(ModelCheckpoint):
       drops it when the folder's path changed): the record's files are found by name in the
       folder the run has now;
     - a non-finite validation loss is never a best (Lightning keeps it, as inf, while fewer
-      than save_top_k checkpoints exist: then sampling "the best" fails).
+      than save_top_k checkpoints exist: then sampling "the best" fails);
+    - a validation that writes a best checkpoint makes last.ckpt a second name (a hard link) of
+      that file instead of writing the same state twice.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -122,8 +162,24 @@ class RunCheckpoint(ModelCheckpoint):
         return super().check_monitor_top_k(trainer, current)
 
     def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        if self.save_last and self._link_last_to_best(trainer, monitor_candidates):
+            self._last_written_step = trainer.global_step
+            return
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_written_step = trainer.global_step
+
+    def _link_last_to_best(self, trainer: L.Trainer, monitor_candidates: dict) -> bool:
+        """last.ckpt as a hard link to the best checkpoint written at this very step."""
+        best = self._last_checkpoint_saved
+        if self._last_global_step_saved != trainer.global_step or best == self.last_model_path:
+            return False
+        if not best or "://" in best or not Path(best).is_file():
+            return False
+        last = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+        if trainer.is_global_zero:
+            link_durably(Path(best), Path(last))
+        self.last_model_path = last
+        return True
 
     def _save_last_if_behind(self, trainer: L.Trainer) -> None:
         if trainer.sanity_checking or not self.save_last or trainer.global_step == 0:

@@ -21,6 +21,7 @@ from model.checkpoint import load_checkpoint
 from model.encdec import EncoderDecoder
 from model.sampling import SamplingConfig, stream_samples
 from training.attention_maps import AttentionMapLogger
+from training.checkpoint_io import DurableCheckpointIO
 from training.module import greedy_decodes
 from training.run_history import RunHistory
 
@@ -84,7 +85,10 @@ def run_summary(trainer: L.Trainer | None, started: float, status: str, error: s
     maps = next((c for c in trainer.callbacks if isinstance(c, AttentionMapLogger)), None)
     if maps is not None:
         summary["attention/entropy_mean"] = maps.last_metrics.get("attention/entropy_mean")
-        summary["attention_maps_seconds"] = maps.seconds
+        summary["attention_maps_seconds"] = maps.seconds  # on the training thread
+        summary["attention_maps_drawing_seconds"] = maps.drawing_seconds  # in their own process
+    if isinstance(trainer.strategy.checkpoint_io, DurableCheckpointIO):
+        summary["checkpoint_seconds"] = trainer.strategy.checkpoint_io.seconds
     return summary
 
 
