@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -26,6 +26,9 @@ from data.sources import (
 )
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from errors import check, check_int, is_number
+
+if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
+    import datasets
 
 # Bump whenever the cache entry's contents change meaning (normalisation, split, file layout).
 FORMAT_VERSION = 2
@@ -235,7 +238,7 @@ class LMDataModule(CachedDataModule):
         key |= {"val_fraction": c.val_fraction, "tokenizer": self._tokenizer_key()}
         return entry_path(c.cache_dir, "lm", key)
 
-    def _corpus(self) -> datasets.Dataset | datasets.IterableDataset:
+    def _corpus(self) -> "datasets.Dataset | datasets.IterableDataset":
         """The source as one row per document, with its "train" and "val" parts."""
         c, cache_dir = self.config, Path(self.config.cache_dir)
         if c.source == "shakespeare":
@@ -257,6 +260,8 @@ class LMDataModule(CachedDataModule):
     def _given_split(self, train_docs):
         """The documents of data.paths as training text and those of data.val_paths as
         validation text, whole."""
+        import datasets
+
         c = self.config
         files = expand_paths(c.val_paths, list(TEXT_BUILDERS), "data.val_paths")
         val_docs = load_text_files(
@@ -274,6 +279,8 @@ class LMDataModule(CachedDataModule):
         """`ds.map(function, batched=True)`, over num_proc processes when ds is in memory or on
         disk. Its `datasets` cache is named after this entry, so a rerun of a build that died
         halfway picks up the finished steps."""
+        import datasets
+
         if isinstance(ds, datasets.Dataset):
             # num_proc=1 would still start a pool (one worker and a manager process): None maps
             # in this process.

@@ -8,7 +8,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import numpy as np
 
 from data.sources import datasets_cache_for, expand_paths, load_hub
@@ -165,6 +164,8 @@ def load_pair_texts(c) -> tuple[list[str], list[str]]:
         name = ", ".join(str(f) for f in files)
         data_files = [str(f) for f in files]
         hf_cache = datasets_cache_for(files, c.cache_dir)  # an edit never reads a stale copy
+        import datasets  # loads only when a cache entry is built
+
         ds = datasets.load_dataset(
             file_format(files), data_files=data_files, split="train", cache_dir=hf_cache
         )

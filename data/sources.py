@@ -10,8 +10,11 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
+if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
+    import datasets
+
 
 # A line that is only a speaker's name, e.g. "**First Citizen**  ".
 SPEAKER = re.compile(r"^\*\*([^*]+)\*\*\s*$")
@@ -72,8 +75,10 @@ def shakespeare_files() -> list[Path]:
     return sorted(Path(str(f.locate())) for f in plays)
 
 
-def load_shakespeare(cache_dir: Path) -> datasets.Dataset:
+def load_shakespeare(cache_dir: Path) -> "datasets.Dataset":
     """All plays as a `datasets.Dataset`, one row per play (columns `name`, `text`)."""
+    import datasets
+
     text_dir = Path(cache_dir) / "shakespeare_text"
     text_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -201,10 +206,12 @@ def load_text_files(
     cache_dir: Path,
     streaming: bool = False,
     key: str = "data.paths",
-) -> datasets.Dataset | datasets.IterableDataset:
+) -> "datasets.Dataset | datasets.IterableDataset":
     """.txt/.md files (a document per paragraph) and .jsonl files (a document per row, its
     `text_column`), in the order given, as one dataset with a "text" column. `key` is the
     option that named the files, for the messages."""
+    import datasets
+
     parts = []
     for f in files:
         builder = TEXT_BUILDERS.get(f.suffix.lower())
@@ -242,9 +249,11 @@ def load_hub(
     streaming: bool = False,
     key: str = "data.name",
     local_fix: str = "data=text_files 'data.paths=[corpus/*.txt]'",
-) -> datasets.Dataset | datasets.IterableDataset:
+) -> "datasets.Dataset | datasets.IterableDataset":
     """The train split of a Hugging Face Hub dataset; offline, an error that names the config
     `key` and `local_fix`, the way to train on local files instead."""
+    import datasets
+
     shown = name + (f" ({config})" if config else "")
     try:
         return datasets.load_dataset(
@@ -259,7 +268,7 @@ def load_hub(
 
 def load_hub_text(
     name: str, config: str | None, text_column: str, cache_dir: Path, streaming: bool = False
-) -> datasets.Dataset | datasets.IterableDataset:
+) -> "datasets.Dataset | datasets.IterableDataset":
     """A Hub dataset's train split reduced to its `text_column`, renamed "text"."""
     ds = load_hub(name, config, cache_dir, streaming)
     return _with_text_column(ds, text_column, f"the Hub dataset {name}")
