@@ -8,13 +8,12 @@ The time covers interpreter start, imports, the checkpoint load and the first to
 """
 
 import argparse
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+from runs import compare_checkouts
 
 
 def first_byte_seconds(root: Path, ckpt: str) -> float:
@@ -39,18 +38,7 @@ def main() -> None:
     parser.add_argument("--other", type=Path, required=True, help="another checkout's root")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    roots = {"other": args.other.resolve(), "this": HERE}
-    times: dict[str, list[float]] = {name: [] for name in roots}
-    for _ in range(args.repeats):
-        for name, root in roots.items():
-            times[name].append(first_byte_seconds(root, args.ckpt))
-    for name, values in times.items():
-        print(
-            f"{name:5s} ({roots[name]}): median {statistics.median(values):.2f} s "
-            f"(min {min(values):.2f}, max {max(values):.2f}, {args.repeats} runs)"
-        )
-    ratio = statistics.median(times["this"]) / statistics.median(times["other"])
-    print(f"this / other: {ratio:.2f}")
+    compare_checkouts(lambda root: first_byte_seconds(root, args.ckpt), args.other, args.repeats)
 
 
 if __name__ == "__main__":

@@ -37,3 +37,20 @@ def median_after(rows: list[dict], key: str, skip: int) -> float:
     """Median of `key` over rows past the first `skip` logged values (warm-up)."""
     values = [row[key] for row in rows if key in row][skip:]
     return statistics.median(values)
+
+
+def compare_checkouts(measure, other: Path, repeats: int, unit: str = "s") -> None:
+    """Run `measure(root)` for another checkout and this one, alternately, `repeats` times
+    each, and print each side's median (min, max) and the ratio this / other."""
+    roots = {"other": other.resolve(), "this": ROOT}
+    values: dict[str, list[float]] = {name: [] for name in roots}
+    for _ in range(repeats):
+        for name, root in roots.items():
+            values[name].append(measure(root))
+    for name, series in values.items():
+        print(
+            f"{name:5s} ({roots[name]}): median {statistics.median(series):.2f} {unit} "
+            f"(min {min(series):.2f}, max {max(series):.2f}, {repeats} runs)"
+        )
+    ratio = statistics.median(values["this"]) / statistics.median(values["other"])
+    print(f"this / other: {ratio:.2f}")

@@ -1,0 +1,51 @@
+"""Seconds from launching `python train.py` to the end of its first optimizer step, with a warm
+data cache, for this checkout and another one (say an older commit: `git worktree add /tmp/old
+<commit>`), run alternately so that both see the same machine.
+
+    python bench/first_step.py --other /tmp/old [--repeats 5] [-- overrides...]
+
+Each run is the default config (W&B offline, the default model and data) stopped after a few
+steps; the figure is the run's own `seconds_to_first_step` (summary.json, counted from process
+start). Both checkouts share one data cache, warmed by a run of each first.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from runs import compare_checkouts
+
+
+def first_step_seconds(root: Path, overrides: list[str], cache: str) -> float:
+    run_dir = Path(tempfile.mkdtemp(prefix="first_step-"))
+    subprocess.run(
+        [sys.executable, str(root / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=root,
+        env={**os.environ, "TINYFORMER_CACHE": cache},
+        capture_output=True,
+        check=True,
+    )
+    return json.loads((run_dir / "summary.json").read_text())["seconds_to_first_step"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--other", type=Path, required=True, help="another checkout's root")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("overrides", nargs="*", help="train.py overrides for both")
+    args = parser.parse_args()
+    overrides = ["trainer.max_steps=3", "trainer.val_check_interval=3", *args.overrides]
+    cache = tempfile.mkdtemp(prefix="first_step-cache-")
+    for root in (args.other.resolve(), Path(__file__).resolve().parents[1]):  # warm the cache
+        first_step_seconds(root, overrides, cache)
+    compare_checkouts(
+        lambda root: first_step_seconds(root, overrides, cache), args.other, args.repeats
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""tinyformer against nanoGPT on nanoGPT's own recipes, side by side on this machine: the same
+text and split, the same model shape and optimiser, runs alternated (nanoGPT, ours, nanoGPT,
+ours, ...) so that both sides see the same machine.
+
+    python bench/vs_nanogpt.py --nanogpt ../shared/anchors/nanoGPT [--recipe cpu|gpu]
+        [--device cpu|cuda] [--pairs 3] [--steps N] [--ours 'experiment=cpu_fast ...']
+
+nanoGPT runs from a scratch copy (its data prepared there by its own prepare.py from
+`--text`/input.txt); tinyformer trains on `--text`/train.txt and val.txt, which are nanoGPT's
+90/10 split (`data.paths` + `data.val_paths`). Per run: whole-process wall seconds, steady
+tokens/s (median of the logged steps), seconds from launch to the end of the first optimizer
+step, each side's own best validation figure, and the loss of its best checkpoint on the whole
+validation text, computed the same way for both (every non-overlapping block). Then medians
+over the pairs and the ratios ours / nanoGPT.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data.tokenizer import tokenizer_from_dict  # noqa: E402
+from model.checkpoint import find_checkpoint, load_checkpoint  # noqa: E402
+
+# nanoGPT's README recipes, as its command-line flags (on top of its shakespeare_char config)
+# and as ours. Both: AdamW (weight decay 0.1 on matrices), beta2 0.99, warm-up 100, cosine to
+# lr/10, gradient clipping at 1, tied embeddings, learned positions, no biases, GELU MLP.
+RECIPES = {
+    "cpu": {
+        "shape": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12},
+        "steps": 2000,
+        "dropout": 0.0,
+        "eval_iters": 20,
+        "nanogpt": ["--device=cpu", "--compile=False"],
+        "ours": [],
+    },
+    "gpu": {
+        "shape": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "batch_size": 64},
+        "steps": 5000,
+        "dropout": 0.2,
+        "eval_iters": 200,
+        "nanogpt": ["--device=cuda", "--compile=True", "--dtype=bfloat16"],
+        "ours": ["trainer=gpu", "compile=true"],
+    },
+}
+
+
+def nanogpt_command(recipe: dict, steps: int, out_dir: Path) -> list[str]:
+    shape = recipe["shape"]
+    return [
+        sys.executable,
+        "train.py",
+        "config/train_shakespeare_char.py",
+        *recipe["nanogpt"],
+        *(f"--{key}={value}" for key, value in shape.items()),
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        f"--dropout={recipe['dropout']}",
+        f"--eval_iters={recipe['eval_iters']}",
+        "--log_interval=1",
+        f"--out_dir={out_dir}",
+    ]
+
+
+def our_command(recipe: dict, steps: int, text: Path, run_dir: Path, extra: list[str]) -> list:
+    shape = recipe["shape"]
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "data=text_files",
+        f"data.paths=[{text / 'train.txt'}]",
+        f"data.val_paths=[{text / 'val.txt'}]",
+        f"data.batch_size={shape['batch_size']}",
+        f"model.n_layer={shape['n_layer']}",
+        f"model.n_embd={shape['n_embd']}",
+        f"model.attention.n_head={shape['n_head']}",
+        f"model.block_size={shape['block_size']}",
+        "model.bias=false",
+        f"model.dropout={recipe['dropout']}",
+        "optim.lr=1e-3",
+        "optim.warmup_steps=100",
+        "optim.min_lr_ratio=0.1",
+        "optim.beta2=0.99",
+        f"trainer.max_steps={steps}",
+        "trainer.val_check_interval=250",
+        f"trainer.limit_val_batches={recipe['eval_iters']}",
+        *recipe["ours"],
+        *extra,
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def timed(command: list[str], cwd: Path, first_step: re.Pattern | None = None) -> tuple:
+    """(wall seconds, seconds until a stdout line matches `first_step`, stdout) of a command."""
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines, first = [], None
+    for line in process.stdout:
+        lines.append(line)
+        if first is None and first_step is not None and first_step.match(line):
+            first = time.perf_counter() - start
+    stderr = process.stderr.read()
+    process.wait()
+    wall = time.perf_counter() - start
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-3000:]}")
+    return wall, first, "".join(lines)
+
+
+NANOGPT_ITER = re.compile(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms")
+NANOGPT_EVAL = re.compile(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)")
+
+
+def run_nanogpt(copy: Path, recipe: dict, steps: int, out_dir: Path, score: bool = True) -> dict:
+    wall, first, stdout = timed(
+        nanogpt_command(recipe, steps, out_dir), copy, re.compile(r"iter 0: ")
+    )
+    milliseconds = [float(ms) for step, ms in NANOGPT_ITER.findall(stdout) if int(step) >= 10]
+    evals = [float(val) for step, val in NANOGPT_EVAL.findall(stdout) if int(step) > 0]
+    tokens = recipe["shape"]["batch_size"] * recipe["shape"]["block_size"]
+    return {
+        "wall": wall,
+        "tokens_per_sec": tokens / (statistics.median(milliseconds) / 1000),
+        "first_step": first,
+        "best_val": min(evals, default=None),
+        "full_val": nanogpt_full_val_loss(copy, out_dir / "ckpt.pt") if score else None,
+    }
+
+
+# Runs inside the nanoGPT copy, with its model.py: the loss of its checkpoint on every
+# non-overlapping block of its val.bin.
+NANOGPT_EVALUATE = """
+import sys, numpy as np, torch, torch.nn.functional as F
+from model import GPT, GPTConfig
+checkpoint = torch.load(sys.argv[1], map_location="cpu", weights_only=False)
+model = GPT(GPTConfig(**checkpoint["model_args"]))
+state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
+model.load_state_dict(state)
+ids = np.fromfile("data/shakespeare_char/val.bin", dtype=np.uint16)
+ids = torch.from_numpy(ids.astype(np.int64))
+T = model.config.block_size
+n = (len(ids) - 1) // T
+x, y = ids[: n * T].view(n, T), ids[1 : n * T + 1].view(n, T)
+total = 0.0
+with torch.no_grad():
+    for i in range(0, n, 64):
+        logits, _ = model.eval()(x[i : i + 64], y[i : i + 64])
+        targets = y[i : i + 64].flatten()
+        total += F.cross_entropy(logits.flatten(0, 1), targets, reduction="sum").item()
+print(total / (n * T), len(ids))
+"""
+
+
+def nanogpt_full_val_loss(copy: Path, checkpoint: Path) -> float:
+    result = subprocess.run(
+        [sys.executable, "-c", NANOGPT_EVALUATE, str(checkpoint)],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(result.stdout.split()[0])
+
+
+@torch.no_grad()
+def our_full_val_loss(run_dir: Path, val_text: str) -> float:
+    """The same measure for our best checkpoint: every non-overlapping block of the text."""
+    model, hparams = load_checkpoint(find_checkpoint(run_dir, "best", "run"))
+    ids = torch.tensor(tokenizer_from_dict(hparams["tokenizer"]).encode(val_text))
+    block = model.config.block_size
+    n = (len(ids) - 1) // block
+    x, y = ids[: n * block].view(n, block), ids[1 : n * block + 1].view(n, block)
+    total = 0.0
+    for i in range(0, n, 64):
+        logits, _ = model(x[i : i + 64])
+        total += F.cross_entropy(logits.flatten(0, 1), y[i : i + 64].flatten(), "sum").item()
+    return total / (n * block)
+
+
+def run_ours(
+    recipe: dict, steps: int, text: Path, run_dir: Path, extra: list[str], score: bool = True
+) -> dict:
+    wall, _, _ = timed(our_command(recipe, steps, text, run_dir, extra), ROOT)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "wall": wall,
+        "tokens_per_sec": summary["train/tokens_per_sec"],
+        "first_step": summary["seconds_to_first_step"],
+        "best_val": summary["best_val_loss"],
+        "full_val": our_full_val_loss(run_dir, (text / "val.txt").read_text()) if score else None,
+    }
+
+
+def prepare_nanogpt(nanogpt: Path, text: Path, scratch: Path) -> Path:
+    """A scratch copy of nanoGPT with its shakespeare_char data prepared by its own script."""
+    copy = scratch / "nanoGPT"
+    shutil.copytree(nanogpt, copy)
+    data = copy / "data" / "shakespeare_char"
+    shutil.copy(text / "input.txt", data / "input.txt")
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    return copy
+
+
+COLUMNS = ("wall", "tokens_per_sec", "first_step", "best_val", "full_val")
+
+
+def show(label: str, row: dict) -> None:
+    print(f"{label:<16}" + "".join(f"{row[key]:>16.4g}" for key in COLUMNS), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nanogpt", type=Path, required=True, help="nanoGPT's folder")
+    parser.add_argument("--text", type=Path, help="input.txt, train.txt and val.txt's folder")
+    parser.add_argument("--recipe", choices=RECIPES, default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: the recipe's")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, help="default: the recipe's")
+    parser.add_argument("--ours", default="", help="more overrides for our runs")
+    args = parser.parse_args()
+    recipe = dict(RECIPES[args.recipe])
+    if args.device == "cpu" and args.recipe == "gpu":
+        recipe["nanogpt"] = ["--device=cpu", "--compile=False"]
+        recipe["ours"] = ["trainer=cpu"]
+    elif args.device == "cuda" and args.recipe == "cpu":
+        recipe["nanogpt"] = ["--device=cuda", "--compile=False", "--dtype=float32"]
+        recipe["ours"] = ["trainer.accelerator=gpu"]
+    steps = args.steps or recipe["steps"]
+    text = (args.text or args.nanogpt.parent / "tinyshakespeare").resolve()
+    extra = args.ours.split()
+    scratch = Path(tempfile.mkdtemp(prefix="vs_nanogpt-"))
+    copy = prepare_nanogpt(args.nanogpt.resolve(), text, scratch)
+    print(f"recipe {args.recipe}, {steps} steps, {args.pairs} pairs; scratch {scratch}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ours: {' '.join(extra) or '-'}")
+
+    # One short untimed run of each first: the data cache, the page cache and any compile cache
+    # are then warm for both sides, as for a user's second run.
+    run_nanogpt(copy, recipe, 20, scratch / "warm-nanogpt", score=False)
+    run_ours(recipe, 20, text, scratch / "warm-ours", extra, score=False)
+    print(f"\n{'run':<16}" + "".join(f"{key:>16}" for key in COLUMNS))
+    results: dict[str, list[dict]] = {"nanogpt": [], "ours": []}
+    for pair in range(args.pairs):
+        results["nanogpt"].append(run_nanogpt(copy, recipe, steps, scratch / f"nanogpt-{pair}"))
+        show(f"nanogpt {pair}", results["nanogpt"][-1])
+        results["ours"].append(run_ours(recipe, steps, text, scratch / f"ours-{pair}", extra))
+        show(f"ours {pair}", results["ours"][-1])
+
+    print("\nmedians (min-max)")
+    for side, rows in results.items():
+        cells = []
+        for key in COLUMNS:
+            values = [row[key] for row in rows]
+            spread = f"{min(values):.4g}-{max(values):.4g}"
+            cells.append(f"{key} {statistics.median(values):.4g} ({spread})")
+        print(f"{side}: " + ", ".join(cells))
+    print("\nours / nanogpt, per pair and median (min-max):")
+    for key in ("wall", "tokens_per_sec", "first_step"):
+        ratios = [o[key] / n[key] for o, n in zip(results["ours"], results["nanogpt"], strict=True)]
+        shown = " ".join(f"{r:.3f}" for r in ratios)
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+        print(f"{key}: {shown} -> {statistics.median(ratios):.3f} ({spread})")
+    (scratch / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"\nall figures: {scratch / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
