@@ -151,6 +151,17 @@ def _encode_rows(batch: dict, tokenizer: CharTokenizer | BPETokenizer) -> dict:
     return out
 
 
+def _encoded_features() -> "datasets.Features":
+    """_encode_rows' columns, declared: a batch whose val (or train) parts are all empty, as
+    with data.val_paths, would otherwise type them as lists of nothing."""
+    import datasets
+
+    ids = datasets.Sequence(datasets.Value("int64"))
+    return datasets.Features(
+        {"train_ids": ids, "val_ids": ids, "val_dropped": datasets.Value("int64")}
+    )
+
+
 def _texts(corpus, column: str):
     """The non-empty strings of `column`, streamed batch by batch."""
     for batch in corpus.iter(batch_size=BATCH_ROWS):
@@ -305,7 +316,9 @@ class LMDataModule(CachedDataModule):
         corpus = self._corpus()
         tokenizer = self._given_tokenizer or self._train_tokenizer(corpus)
         encode = partial(_encode_rows, tokenizer=tokenizer)
-        encoded = self._map(corpus, encode, "encode", remove_columns=["train", "val"])
+        encoded = self._map(
+            corpus, encode, "encode", remove_columns=["train", "val"], features=_encoded_features()
+        )
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
         separator = tokenizer.encode(DOCUMENT_SEPARATOR)
         dropped = 0

@@ -64,12 +64,18 @@ def test_text_files_folder_documents_and_split(corpus, tmp_path):
 def test_val_paths_name_the_validation_text(corpus, tmp_path, streaming):
     """data.paths is then all training text and data.val_paths all validation text, whole: a
     corpus's train.txt + valid.txt, or nanoGPT's split of tiny-shakespeare."""
-    valid = tmp_path / "valid.txt"
+    valid, train = tmp_path / "valid.txt", tmp_path / "train.txt"
     valid.write_text("\n\n".join(PARAGRAPHS[5:8]) + "\n")
-    options = dict(source="text_files", paths=[str(corpus / "a.txt")], cache_dir=tmp_path)
-    module = prepared(**options, val_paths=[str(valid)], streaming=streaming)
-    assert split_text(module, "train") == "\n\n".join(PARAGRAPHS[:20])
+    # More documents than a `datasets.map` batch holds: batches with no validation text.
+    many = [f"{i}: {PARAGRAPHS[i % 40]}" for i in range(2500)]
+    train.write_text("\n\n".join(many))
+    module = prepared(
+        source="text_files", paths=[str(train)], val_paths=[str(valid)], cache_dir=tmp_path,
+        streaming=streaming,
+    )  # fmt: skip
+    assert split_text(module, "train") == "\n\n".join(many)
     assert split_text(module, "val") == "\n\n".join(PARAGRAPHS[5:8])
+    options = dict(source="text_files", paths=[str(corpus / "a.txt")], cache_dir=tmp_path)
     # Other validation files are another cache entry, and the split by fraction a third.
     valid.write_text(PARAGRAPHS[9])
     assert split_text(prepared(**options, val_paths=[str(valid)]), "val") == PARAGRAPHS[9]
