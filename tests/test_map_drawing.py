@@ -36,3 +36,12 @@ def test_maps_are_drawn_in_another_process_and_failures_reported(tmp_path):
     assert wide.shape[1] > narrow.shape[1] > 100  # four head panels against two
     assert drawer._process.returncode == 0
     assert drawer.drawn() == []
+
+
+def test_close_without_waiting_ends_the_process_at_once(tmp_path):
+    drawer = MapDrawer()
+    for step in range(50):
+        drawer.submit(job(tmp_path, step, shape=(8, 48, 48)))
+    drawer.close(wait=False)
+    assert drawer._process.returncode is not None
+    assert len(list(tmp_path.glob("*.png"))) < 50

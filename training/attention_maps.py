@@ -20,8 +20,9 @@ class AttentionMapLogger(L.Callback):
 
     Per-head entropy and score std go to every logger as metrics at once. The figures (one per
     attention layer, every head a panel) are drawn in a process of their own
-    (training/map_drawing.py) into `out_dir` as PNG files, and go to W&B when drawn, at the
-    step they show; training waits for them only at its end.
+    (training/map_drawing.py, started with training so that its imports are done by the first
+    map) into `out_dir` as PNG files, and go to W&B when drawn, at the step they show; training
+    waits only for the last ones, at its end.
     """
 
     def __init__(
@@ -44,6 +45,11 @@ class AttentionMapLogger(L.Callback):
         self.seconds = 0.0  # spent on the training thread: the maps' cost to the run
         self.drawing_seconds = 0.0  # spent drawing, in the drawing process
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._drawer = MapDrawer()
+            self.out_dir = self.out_dir or Path(tempfile.mkdtemp(prefix="attention_maps-"))
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step % self.every_n_steps == 0:
             self.log_attention(trainer, pl_module)
@@ -52,17 +58,21 @@ class AttentionMapLogger(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.log_attention(trainer, pl_module)
-        if self._drawer is not None:
-            self._log_drawn(trainer, wait=True)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._drawer is not None:
+            self._log_drawn(trainer, wait=True)
             self._drawer.close()
+            self._drawer = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error) -> None:
+        if self._drawer is not None:  # a stopping run does not wait for pictures
+            self._drawer.close(wait=False)
             self._drawer = None
 
     def log_attention(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         step = trainer.global_step
-        if step == self._last_logged_step or not trainer.is_global_zero:
+        if step == self._last_logged_step or self._drawer is None:  # drawn on rank zero only
             return
         self._last_logged_step = step
         started = time.perf_counter()
@@ -99,9 +109,6 @@ class AttentionMapLogger(L.Callback):
         labels_for: Callable[[str], tuple[list[str], list[str]]],
         step: int,
     ) -> None:
-        if self._drawer is None:
-            self._drawer = MapDrawer()
-            self.out_dir = self.out_dir or Path(tempfile.mkdtemp(prefix="attention_maps-"))
         for record in records:
             query_labels, key_labels = labels_for(record.name)
             if max(len(query_labels), len(key_labels)) > self.max_labelled_tokens:

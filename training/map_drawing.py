@@ -67,10 +67,13 @@ class MapDrawer:
         threading.Thread(target=self._receive, daemon=True).start()
 
     def _send(self) -> None:
-        for job in iter(self._outbox.get, None):
-            pickle.dump(job, self._process.stdin)
-            self._process.stdin.flush()
-        self._process.stdin.close()
+        try:
+            for job in iter(self._outbox.get, None):
+                pickle.dump(job, self._process.stdin)
+                self._process.stdin.flush()
+            self._process.stdin.close()
+        except BrokenPipeError:
+            pass  # the process was ended (close(wait=False)) or died: drawn() says so
 
     def _receive(self) -> None:
         try:
@@ -99,12 +102,14 @@ class MapDrawer:
             maps.append(reply)
         return maps
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """End the process: once the maps submitted are drawn, or at once (wait=False)."""
         self._outbox.put(None)
         try:
-            self._process.wait(timeout=30)
+            self._process.wait(timeout=30 if wait else 0)
         except subprocess.TimeoutExpired:
             self._process.kill()
+            self._process.wait()
 
 
 def draw(job: MapJob) -> DrawnMap:
