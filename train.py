@@ -26,6 +26,7 @@ from errors import check, check_int, exit_on_user_error, is_int
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
+from training.attention_maps import AttentionMapLogger
 from training.checkpoint_io import DurableCheckpointIO, claim_run_dir
 from training.errors import TRAIN_ERRORS, instantiate_checked, out_of_memory
 from training.guard import TrainingDiverged, all_steps_skipped, check_nonfinite_action
@@ -150,7 +151,16 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
         plugins=[DurableCheckpointIO()],
     )
     check_not_ddp_in_sweep(trainer.world_size)
+    for callback in callbacks:
+        if isinstance(callback, AttentionMapLogger):
+            callback.finish_later = True  # after the end-of-run printout: see fit()
     return trainer, stop
+
+
+def finish_attention_maps(trainer: L.Trainer) -> None:
+    for callback in trainer.callbacks:
+        if isinstance(callback, AttentionMapLogger):
+            callback.finish(trainer)
 
 
 def run_fit(trainer: L.Trainer, module, datamodule, plan: Plan, stop: StopSignals) -> tuple:
@@ -187,6 +197,9 @@ def fit(cfg: DictConfig) -> float | None:
 
     status, error = run_fit(trainer, module, datamodule, plan, stop)
 
+    if trainer.is_global_zero and status == "completed":
+        print_end(trainer, plan.sample, datamodule, plan.run_dir)  # the last maps draw meanwhile
+    finish_attention_maps(trainer)
     if trainer.is_global_zero:
         summary = run_summary(trainer, started, status, error and str(error))
         write_summary(plan.run_dir, summary)
@@ -194,8 +207,6 @@ def fit(cfg: DictConfig) -> float | None:
         raise error
     if stop.signum:
         stop.exit(trainer, plan.run_dir)
-    if trainer.is_global_zero:
-        print_end(trainer, summary, plan.sample, datamodule, plan.run_dir)
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     if score is None:
         score = trainer.callback_metrics.get("val/loss")

@@ -3,7 +3,11 @@ text and split, the same model shape and optimiser, runs alternated (nanoGPT, ou
 ours, ...) so that both sides see the same machine.
 
     python bench/vs_nanogpt.py --nanogpt ../shared/anchors/nanoGPT [--recipe cpu|gpu]
-        [--device cpu|cuda] [--pairs 3] [--steps N] [--ours 'experiment=cpu_fast ...']
+        [--device cpu|cuda] [--pairs 3] [--steps N] [--ours 'compile=true ...']
+        [--own 'experiment=cpu_fast']
+
+--ours adds overrides to our side of nanoGPT's recipe; --own runs our own recipe instead (only
+the data is nanoGPT's), against nanoGPT's recipe: which reaches the lower loss in what time.
 
 nanoGPT runs from a scratch copy (its data prepared there by its own prepare.py from
 `--text`/input.txt); tinyformer trains on `--text`/train.txt and val.txt, which are nanoGPT's
@@ -75,14 +79,20 @@ def nanogpt_command(recipe: dict, steps: int, out_dir: Path) -> list[str]:
     ]
 
 
-def our_command(recipe: dict, steps: int, text: Path, run_dir: Path, extra: list[str]) -> list:
+def our_command(
+    recipe: dict, steps: int, text: Path, run_dir: Path, extra: list[str], own: bool
+) -> list:
+    data = ["data=text_files", f"data.paths=[{text / 'train.txt'}]"]
+    data += [f"data.val_paths=[{text / 'val.txt'}]"]
+    if own:  # our recipe on nanoGPT's data; a short warm-up run still stops early
+        steps_override = [f"trainer.max_steps={steps}"] if steps < 100 else []
+        return [sys.executable, str(ROOT / "train.py"), *data, *extra, *steps_override,
+                f"hydra.run.dir={run_dir}"]  # fmt: skip
     shape = recipe["shape"]
     return [
         sys.executable,
         str(ROOT / "train.py"),
-        "data=text_files",
-        f"data.paths=[{text / 'train.txt'}]",
-        f"data.val_paths=[{text / 'val.txt'}]",
+        *data,
         f"data.batch_size={shape['batch_size']}",
         f"model.n_layer={shape['n_layer']}",
         f"model.n_embd={shape['n_embd']}",
@@ -174,7 +184,7 @@ def nanogpt_full_val_loss(copy: Path, checkpoint: Path) -> float:
         text=True,
         check=True,
     )
-    return float(result.stdout.split()[0])
+    return float(result.stdout.strip().splitlines()[-1].split()[0])  # after its own prints
 
 
 @torch.no_grad()
@@ -188,14 +198,21 @@ def our_full_val_loss(run_dir: Path, val_text: str) -> float:
     total = 0.0
     for i in range(0, n, 64):
         logits, _ = model(x[i : i + 64])
-        total += F.cross_entropy(logits.flatten(0, 1), y[i : i + 64].flatten(), "sum").item()
+        targets = y[i : i + 64].flatten()
+        total += F.cross_entropy(logits.flatten(0, 1), targets, reduction="sum").item()
     return total / (n * block)
 
 
 def run_ours(
-    recipe: dict, steps: int, text: Path, run_dir: Path, extra: list[str], score: bool = True
+    recipe: dict,
+    steps: int,
+    text: Path,
+    run_dir: Path,
+    extra: list[str],
+    own: bool,
+    score: bool = True,
 ) -> dict:
-    wall, _, _ = timed(our_command(recipe, steps, text, run_dir, extra), ROOT)
+    wall, _, _ = timed(our_command(recipe, steps, text, run_dir, extra, own), ROOT)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "wall": wall,
@@ -232,6 +249,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, help="default: the recipe's")
     parser.add_argument("--ours", default="", help="more overrides for our runs")
+    parser.add_argument("--own", help="our own recipe's overrides, instead of nanoGPT's recipe")
     args = parser.parse_args()
     recipe = dict(RECIPES[args.recipe])
     if args.device == "cpu" and args.recipe == "gpu":
@@ -242,22 +260,25 @@ def main() -> None:
         recipe["ours"] = ["trainer.accelerator=gpu"]
     steps = args.steps or recipe["steps"]
     text = (args.text or args.nanogpt.parent / "tinyshakespeare").resolve()
-    extra = args.ours.split()
+    own = args.own is not None
+    extra = (args.own if own else args.ours).split()
     scratch = Path(tempfile.mkdtemp(prefix="vs_nanogpt-"))
     copy = prepare_nanogpt(args.nanogpt.resolve(), text, scratch)
     print(f"recipe {args.recipe}, {steps} steps, {args.pairs} pairs; scratch {scratch}")
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ours: {' '.join(extra) or '-'}")
+    ours = f"{'our own recipe' if own else 'the same recipe'}, {' '.join(extra) or 'as is'}"
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ours: {ours}")
 
     # One short untimed run of each first: the data cache, the page cache and any compile cache
     # are then warm for both sides, as for a user's second run.
     run_nanogpt(copy, recipe, 20, scratch / "warm-nanogpt", score=False)
-    run_ours(recipe, 20, text, scratch / "warm-ours", extra, score=False)
+    run_ours(recipe, 20, text, scratch / "warm-ours", extra, own, score=False)
     print(f"\n{'run':<16}" + "".join(f"{key:>16}" for key in COLUMNS))
     results: dict[str, list[dict]] = {"nanogpt": [], "ours": []}
     for pair in range(args.pairs):
         results["nanogpt"].append(run_nanogpt(copy, recipe, steps, scratch / f"nanogpt-{pair}"))
         show(f"nanogpt {pair}", results["nanogpt"][-1])
-        results["ours"].append(run_ours(recipe, steps, text, scratch / f"ours-{pair}", extra))
+        run_dir = scratch / f"ours-{pair}"
+        results["ours"].append(run_ours(recipe, steps, text, run_dir, extra, own))
         show(f"ours {pair}", results["ours"][-1])
 
     print("\nmedians (min-max)")

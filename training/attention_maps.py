@@ -21,8 +21,9 @@ class AttentionMapLogger(L.Callback):
     Per-head entropy and score std go to every logger as metrics at once. The figures (one per
     attention layer, every head a panel) are drawn in a process of their own
     (training/map_drawing.py, started with training so that its imports are done by the first
-    map) into `out_dir` as PNG files, and go to W&B when drawn, at the step they show; training
-    waits only for the last ones, at its end.
+    map) into `out_dir` as PNG files, and go to W&B when drawn, at the step they show. The last
+    ones are waited for by finish(), which train.py calls after its end-of-run printout, so
+    that they are drawn meanwhile; a Trainer used without train.py gets them at teardown.
     """
 
     def __init__(
@@ -41,6 +42,7 @@ class AttentionMapLogger(L.Callback):
         self.out_dir = Path(out_dir) if out_dir else None
         self._last_logged_step = -1
         self._drawer: MapDrawer | None = None
+        self.finish_later = False  # True: the owner of the run calls finish() itself
         self.last_metrics: dict[str, float] = {}  # the statistics of the latest maps
         self.seconds = 0.0  # spent on the training thread: the maps' cost to the run
         self.drawing_seconds = 0.0  # spent drawing, in the drawing process
@@ -60,6 +62,11 @@ class AttentionMapLogger(L.Callback):
         self.log_attention(trainer, pl_module)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not self.finish_later:
+            self.finish(trainer)
+
+    def finish(self, trainer: L.Trainer) -> None:
+        """Wait for the maps still being drawn, log them, and end the drawing process."""
         if self._drawer is not None:
             self._log_drawn(trainer, wait=True)
             self._drawer.close()

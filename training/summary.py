@@ -102,13 +102,12 @@ def write_summary(output_dir: str, summary: dict) -> None:
     path.write_text(json.dumps(summary, indent=2))
 
 
-def print_end(
-    trainer: L.Trainer, summary: dict, sample: SamplingConfig, datamodule, run_dir: str
-) -> None:
+def print_end(trainer: L.Trainer, sample: SamplingConfig, datamodule, run_dir: str) -> None:
     """The start-up cost, where the best checkpoint is, what it produces, and the command to get
     more. A failing sample is a warning: the run is complete and saved, a sample cannot undo it."""
-    if summary.get("seconds_to_first_step"):
-        print(f"first optimizer step {summary['seconds_to_first_step']:.1f} s after start")
+    history = next((c for c in trainer.callbacks if isinstance(c, RunHistory)), None)
+    if history is not None and history.first_step_seconds:
+        print(f"first optimizer step {history.first_step_seconds:.1f} s after start")
     try:
         print_best(trainer, sample, datamodule, run_dir)
     except Exception as error:
