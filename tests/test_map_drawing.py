@@ -35,7 +35,7 @@ def test_maps_are_drawn_in_another_process_and_failures_reported(tmp_path):
     wide, narrow = imread(drawn[2].path), imread(drawn[0].path)
     assert wide.shape[1] > narrow.shape[1] > 100  # four head panels against two
     assert drawer._process.returncode == 0
-    assert drawer.drawn() == []
+    assert drawer.drawn() == [] and drawer.failure is None
 
 
 def test_close_without_waiting_ends_the_process_at_once(tmp_path):
@@ -45,3 +45,13 @@ def test_close_without_waiting_ends_the_process_at_once(tmp_path):
     drawer.close(wait=False)
     assert drawer._process.returncode is not None
     assert len(list(tmp_path.glob("*.png"))) < 50
+
+
+def test_a_killed_drawing_process_is_reported_not_raised(tmp_path):
+    drawer = MapDrawer()
+    drawer._process.kill()  # as a scheduler's SIGKILL or the OOM killer would
+    drawer.submit(job(tmp_path, 10))
+    assert drawer.drawn(wait=True) == []
+    assert drawer.failure.startswith("the drawing process ended (status -9) with 1 maps undrawn")
+    assert drawer.drawn(wait=True) == []  # and later calls return at once
+    drawer.close()

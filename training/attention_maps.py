@@ -1,6 +1,7 @@
 """Attention maps and per-head statistics of a fixed validation sample, logged while training
 (the recording, statistics and figures are model/inspect.py's)."""
 
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,13 +36,15 @@ class AttentionMapLogger(L.Callback):
     ):
         check_int("callbacks.attention_maps.every_n_steps", every_n_steps)
         check_int("callbacks.attention_maps.sample_length", sample_length, minimum=2)
-        check_int("callbacks.attention_maps.max_labelled_tokens", max_labelled_tokens)
+        check_int("callbacks.attention_maps.max_labelled_tokens", max_labelled_tokens, minimum=0)
         self.every_n_steps = every_n_steps
         self.sample_length = sample_length
         self.max_labelled_tokens = max_labelled_tokens
-        self.out_dir = Path(out_dir) if out_dir else None
+        self.out_dir = Path(out_dir).resolve() if out_dir else None
+        self._temporary_dir: Path | None = None  # the PNGs' folder when out_dir is not set
         self._last_logged_step = -1
         self._drawer: MapDrawer | None = None
+        self.skipped_figures = 0  # not drawn: the previous maps were still being drawn
         self.finish_later = False  # True: the owner of the run calls finish() itself
         self.last_metrics: dict[str, float] = {}  # the statistics of the latest maps
         self.seconds = 0.0  # spent on the training thread: the maps' cost to the run
@@ -50,16 +53,17 @@ class AttentionMapLogger(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
             self._drawer = MapDrawer()
-            self.out_dir = self.out_dir or Path(tempfile.mkdtemp(prefix="attention_maps-"))
+            if self.out_dir is None:
+                self._temporary_dir = Path(tempfile.mkdtemp(prefix="attention_maps-"))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step % self.every_n_steps == 0:
-            self.log_attention(trainer, pl_module)
+            self.log_attention(trainer, pl_module, final=trainer.global_step >= trainer.max_steps)
         elif self._drawer is not None:
             self._log_drawn(trainer, wait=False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.log_attention(trainer, pl_module)
+        self.log_attention(trainer, pl_module, final=True)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.finish_later:
@@ -69,17 +73,26 @@ class AttentionMapLogger(L.Callback):
         """Wait for the maps still being drawn, log them, and end the drawing process."""
         if self._drawer is not None:
             self._log_drawn(trainer, wait=True)
-            self._drawer.close()
-            self._drawer = None
+        self._close(wait=True)
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error) -> None:
-        if self._drawer is not None:  # a stopping run does not wait for pictures
-            self._drawer.close(wait=False)
-            self._drawer = None
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._close(wait=False)  # a stopping run does not wait for pictures
 
-    def log_attention(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _close(self, wait: bool) -> None:
+        if self._drawer is not None:
+            self._drawer.close(wait=wait)
+            self._drawer = None
+        if self._temporary_dir is not None:  # W&B has copied what it logged
+            shutil.rmtree(self._temporary_dir, ignore_errors=True)
+            self._temporary_dir = None
+
+    def log_attention(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, final: bool = False
+    ) -> None:
         step = trainer.global_step
-        if step == self._last_logged_step or self._drawer is None:  # drawn on rank zero only
+        if step == self._last_logged_step or not trainer.is_global_zero:
             return
         self._last_logged_step = step
         started = time.perf_counter()
@@ -91,7 +104,8 @@ class AttentionMapLogger(L.Callback):
         finally:
             pl_module.train(was_training)
         self._log_statistics(trainer, records, step)
-        self._submit(records, labels_for, step)
+        if self._drawer is not None:
+            self._submit(records, labels_for, step, final)
         self.seconds += time.perf_counter() - started
 
     def _log_statistics(
@@ -115,7 +129,15 @@ class AttentionMapLogger(L.Callback):
         records: list[AttentionRecord],
         labels_for: Callable[[str], tuple[list[str], list[str]]],
         step: int,
+        final: bool,
     ) -> None:
+        """Send the figures to the drawing process; while earlier ones are still being drawn
+        (a short cadence, a fast device), skip them rather than build a backlog. The final
+        maps are always drawn."""
+        if self._drawer.pending and not final:
+            self.skipped_figures += len(records)
+            return
+        folder = self.out_dir or self._temporary_dir
         for record in records:
             query_labels, key_labels = labels_for(record.name)
             if max(len(query_labels), len(key_labels)) > self.max_labelled_tokens:
@@ -125,7 +147,7 @@ class AttentionMapLogger(L.Callback):
                 MapJob(
                     step=step,
                     key=f"attention/{record.name}",
-                    path=str(self.out_dir / f"{record.name.replace('/', '_')}_step{step:06d}.png"),
+                    path=str(folder / f"{record.name.replace('/', '_')}_step{step:06d}.png"),
                     title=f"{record.name} — step {step}",
                     records=[(record.name, *arrays)],
                     query_labels=query_labels,
@@ -140,6 +162,9 @@ class AttentionMapLogger(L.Callback):
             self.drawing_seconds += figure.seconds
             if figure.path is None:
                 print(f"warning: attention map {figure.key} not drawn: {figure.error}")
+        if self._drawer.failure is not None:  # the statistics go on; the pictures stop
+            print(f"warning: no more attention maps are drawn: {self._drawer.failure}")
+            self._close(wait=False)
         wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         if wandb_loggers and any(figure.path for figure in drawn):
             self._log_images(wandb_loggers, drawn)
