@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
+from data.seq2seq import Seq2SeqDataModule
 from data.tokenizer import tokenizer_from_dict
 from errors import check, check_int, exit_on_user_error, is_int
 from model.encdec import EncDecConfig
@@ -28,10 +29,15 @@ from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
 from training.attention_maps import AttentionMapLogger
 from training.checkpoint_io import DurableCheckpointIO, claim_run_dir
-from training.errors import TRAIN_ERRORS, instantiate_checked, out_of_memory
+from training.errors import (
+    TRAIN_ERRORS,
+    instantiate_checked,
+    optimizer_state_mismatch,
+    out_of_memory,
+)
 from training.guard import TrainingDiverged, all_steps_skipped, check_nonfinite_action
 from training.kinds import ModelKind, check_fits_data, kind_of
-from training.module import OptimConfig
+from training.module import OptimConfig, TrainingModule
 from training.resume import (
     Resume,
     ResumeState,
@@ -102,7 +108,7 @@ def check_options(cfg: DictConfig) -> Plan:
     )
 
 
-def prepare_data(plan: Plan, datamodule) -> None:
+def prepare_data(plan: Plan, datamodule: LMDataModule | Seq2SeqDataModule) -> None:
     """Tokenize (or reuse the cache), with a resumed run's tokenizer, and check the end-of-run
     sample's prompt against it. Every rank prepares the data itself (one builds the cache
     entry, the others wait for it), so the vocabulary is the same everywhere."""
@@ -113,6 +119,7 @@ def prepare_data(plan: Plan, datamodule) -> None:
     if isinstance(datamodule, LMDataModule):
         given = "sample.prompt" in {override_key(o) for o in plan.resume.overrides}
         plan.sample = checked_sample(plan.sample, datamodule.tokenizer, datamodule, given)
+        plan.cfg.sample.prompt = plan.sample.prompt  # the run config records the one used
 
 
 def build_module(plan: Plan, tokenizer) -> L.LightningModule:
@@ -163,8 +170,15 @@ def finish_attention_maps(trainer: L.Trainer) -> None:
             callback.finish(trainer)
 
 
-def run_fit(trainer: L.Trainer, module, datamodule, plan: Plan, stop: StopSignals) -> tuple:
-    """(status, error): how Trainer.fit ended. Running out of memory is a one-line error."""
+def run_fit(
+    trainer: L.Trainer,
+    module: TrainingModule,
+    datamodule: LMDataModule | Seq2SeqDataModule,
+    plan: Plan,
+    stop: StopSignals,
+) -> tuple[str, TrainingDiverged | None]:
+    """(status, error): how Trainer.fit ended. Running out of memory, and a checkpoint whose
+    optimizer state does not fit, are one-line errors."""
     stop.guard_shutdown()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=plan.resume.path, weights_only=True)
@@ -175,6 +189,9 @@ def run_fit(trainer: L.Trainer, module, datamodule, plan: Plan, stop: StopSignal
     except RuntimeError as failure:  # torch.OutOfMemoryError (a GPU's) is one too
         parameters = module.model.num_parameters()
         out_of_memory(failure, plan.cfg.data.batch_size, parameters, plan.run_dir)
+        raise
+    except ValueError as failure:
+        optimizer_state_mismatch(failure, plan.resume.path)
         raise
     error = all_steps_skipped(module.skipped_steps, trainer.global_step)
     return ("diverged" if error else "completed"), error
@@ -197,16 +214,17 @@ def fit(cfg: DictConfig) -> float | None:
 
     status, error = run_fit(trainer, module, datamodule, plan, stop)
 
-    if trainer.is_global_zero and status == "completed":
-        print_end(trainer, plan.sample, datamodule, plan.run_dir)  # the last maps draw meanwhile
-    finish_attention_maps(trainer)
     if trainer.is_global_zero:
-        summary = run_summary(trainer, started, status, error and str(error))
-        write_summary(plan.run_dir, summary)
+        write_summary(plan.run_dir, run_summary(trainer, started, status, error and str(error)))
     if error:
         raise error
-    if stop.signum:
+    if status != "completed":
         stop.exit(trainer, plan.run_dir)
+    if trainer.is_global_zero:
+        print_end(trainer, plan.sample, datamodule, plan.run_dir)  # the last maps draw meanwhile
+    finish_attention_maps(trainer)
+    if trainer.is_global_zero:  # again, now with the time the last maps took
+        write_summary(plan.run_dir, run_summary(trainer, started, status, None))
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     if score is None:
         score = trainer.callback_metrics.get("val/loss")

@@ -262,7 +262,7 @@ def test_sigterm_repeated_while_stopping_lets_the_stop_finish(tmp_path, cache):
     faults += ["+callbacks.again._target_=faults.SignalAgainWhileStopping"]
     result = run_training(cache, *TINY, f"hydra.run.dir={run_dir}", *faults)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
-    assert "SIGTERM again: still saving, then stopping" in result.stderr
+    assert "SIGTERM: a stop is already under way (saving, then stopping)" in result.stderr
     assert f"stopped by SIGTERM after step 16; saved {run_dir}/checkpoints/last.ckpt" in (
         result.stderr
     )

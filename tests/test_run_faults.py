@@ -67,6 +67,29 @@ def test_a_best_checkpoint_and_last_ckpt_of_one_step_are_one_file_written_once(t
     assert (step_of(best), step_of(last)) == (2, 4)
 
 
+def test_a_checkpoint_whose_optimizer_groups_do_not_fit_is_one_line(tmp_path):
+    """Resuming a checkpoint whose optimizer state has other parameter groups than the model
+    gets (one written when weight decay was chosen by parameter name) names it and the fix."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    first = run_training(cache, *SMALLEST, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    decay, no_decay = checkpoint["optimizer_states"][0]["param_groups"]
+    no_decay["params"].append(decay["params"].pop())  # one matrix moved to the other group
+    last.unlink()  # a file of its own, not the best checkpoint it is a hard link to
+    torch.save(checkpoint, last)
+
+    resumed = run_training(cache, f"ckpt_path={run_dir}", "trainer.max_steps=4")
+    assert resumed.returncode == 1
+    errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: ckpt_path={last}: its optimizer state does not fit this model's parameter "
+        "groups (a checkpoint of a tinyformer from before weight decay was chosen by module "
+        "type, or of another model): resume it with the version that wrote it, or start a new run"
+    ]
+
+
 def test_ctrl_c_during_a_validation_lets_it_finish_then_stops(tmp_path):
     """Ctrl-C in the middle of a validation: the validation finishes (its loss is recorded and
     last.ckpt written after it), the run stops with status 130, and resumed it reaches the

@@ -6,6 +6,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,13 +32,39 @@ def save_durably(checkpoint: dict[str, Any], path: Path) -> None:
     The temporary name is hidden, no *.ckpt (nothing looking for checkpoints picks it) and
     unique to this write, so two writers of one path never rename each other's half-written
     file. A full disk is a ValueError naming the folder, and its temporary file is removed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_name(path)
-    try:
+
+    def write(temporary: Path) -> None:
         with open(temporary, "wb") as f:
             torch.save(checkpoint, f)
             f.flush()
             os.fsync(f.fileno())
+
+    publish(write, path)
+
+
+def link_durably(source: Path, path: Path) -> None:
+    """Give the finished file `source` the second name `path`, as save_durably would write it:
+    a hard link (no second copy of the bytes), or a copy where the file system has none."""
+
+    def link(temporary: Path) -> None:
+        try:
+            os.link(source, temporary)
+        except OSError:
+            shutil.copyfile(source, temporary)
+            with open(temporary, "rb") as f:
+                os.fsync(f.fileno())
+
+    publish(link, path)
+
+
+def publish(write: Callable[[Path], None], path: Path) -> None:
+    """write() a temporary file beside `path`, then rename it over `path` and fsync the folder:
+    `path` is the old file or the whole new one, never a mix. On any failure the temporary
+    file is removed, and a full disk is one line naming the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_name(path)
+    try:
+        write(temporary)
         os.replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
@@ -47,25 +74,6 @@ def save_durably(checkpoint: dict[str, Any], path: Path) -> None:
                 "checkpoint is intact): free some space and resume with "
                 f"ckpt_path={path.parent.parent}"
             ) from None
-        raise
-    fsync_folder(path.parent)
-
-
-def link_durably(source: Path, path: Path) -> None:
-    """Give the finished file `source` the second name `path`, replacing what was there at
-    once: a hard link (no second copy of the bytes), or a copy where the file system has no
-    hard links."""
-    temporary = temporary_name(path)
-    try:
-        os.link(source, temporary)
-    except OSError:
-        shutil.copyfile(source, temporary)
-        with open(temporary, "rb") as f:
-            os.fsync(f.fileno())
-    try:
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
         raise
     fsync_folder(path.parent)
 
@@ -173,7 +181,7 @@ class RunCheckpoint(ModelCheckpoint):
         best = self._last_checkpoint_saved
         if self._last_global_step_saved != trainer.global_step or best == self.last_model_path:
             return False
-        if not best or "://" in best or not Path(best).is_file():
+        if not best or "://" in best:  # the same on every rank: only rank zero has the file
             return False
         last = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
         if trainer.is_global_zero:

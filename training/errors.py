@@ -3,6 +3,8 @@ mistakes (errors.py's USER_ERRORS), Lightning's config errors, a diverged run, a
 running out."""
 
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 from hydra.errors import InstantiationException
@@ -16,7 +18,7 @@ from training.guard import TrainingDiverged
 TRAIN_ERRORS = (*USER_ERRORS, MisconfigurationException, TrainingDiverged)
 
 
-def instantiate_checked(node: DictConfig, **kwargs):
+def instantiate_checked(node: DictConfig, **kwargs: Any) -> Any:
     """hydra.utils.instantiate, with config errors (ours and Lightning's) surfacing as
     themselves, so they print as one line."""
     try:
@@ -26,6 +28,18 @@ def instantiate_checked(node: DictConfig, **kwargs):
         if isinstance(cause, TRAIN_ERRORS):
             raise cause from None
         raise
+
+
+def optimizer_state_mismatch(error: ValueError, checkpoint: Path | None) -> None:
+    """Raise a one-line ValueError naming the checkpoint when the optimizer state it holds does
+    not fit the model's parameter groups; anything else is left to its caller."""
+    if checkpoint is None or "parameter group" not in str(error):
+        return
+    raise ValueError(
+        f"ckpt_path={checkpoint}: its optimizer state does not fit this model's parameter groups "
+        "(a checkpoint of a tinyformer from before weight decay was chosen by module type, or "
+        "of another model): resume it with the version that wrote it, or start a new run"
+    ) from None
 
 
 def out_of_memory(error: BaseException, batch_size: int, parameters: int, run_dir: str) -> None:

@@ -1,7 +1,7 @@
-"""The one table of model kinds: for each, its config and network (model/checkpoint.py's
-MODELS, which generate.py reads without the training stack), the LightningModule that trains
-it, the DataModule that feeds it, and the data choices that provide that DataModule. A new kind
-of model is a row here and a row in MODELS."""
+"""The one table of model kinds: for each, its config (from model/checkpoint.py's MODELS, which
+also holds its network, for generate.py to read without the training stack), the
+LightningModule that trains it, the DataModule that feeds it, and the data choices that provide
+that DataModule. A new kind of model is a row here and a row in MODELS."""
 
 from dataclasses import dataclass
 
@@ -17,7 +17,6 @@ from training.module import LanguageModelModule, Seq2SeqModule, TrainingModule
 class ModelKind:
     name: str
     config: type
-    network: type
     module: type[TrainingModule]
     datamodule: type
     data_choices: str
@@ -27,7 +26,8 @@ class ModelKind:
 
 
 def _kind(name: str, module: type[TrainingModule], datamodule: type, choices: str) -> ModelKind:
-    return ModelKind(name, *MODELS[name], module, datamodule, choices)
+    config, _network = MODELS[name]
+    return ModelKind(name, config, module, datamodule, choices)
 
 
 KINDS = {

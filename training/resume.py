@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from data.tokenizer import BPETokenizer, CharTokenizer
 from model.checkpoint import find_checkpoint, load_safely
 from training.kinds import kind_of
 from training.summary import print_once
@@ -37,13 +38,15 @@ FREE_ON_RESUME = ("model.vocab_size", "data.num_workers", "data.num_proc", "data
 
 
 def resume_run_dir(ckpt_path: str | None, new_run_dir: str) -> str:
-    """hydra.run.dir (a config resolver): a run resumed from a run directory, or from a file in
-    its checkpoints/, continues in that directory; any other run gets a new one."""
+    """hydra.run.dir (a config resolver): a run resumed from a run directory, its checkpoints/
+    folder or a file in it continues in that directory; any other run gets a new one."""
     if ckpt_path is None or ckpt_path == "last":
         return new_run_dir
     path = Path(ckpt_path).expanduser()
     if (path / "checkpoints").is_dir():
         return str(path)
+    if path.is_dir() and path.name == "checkpoints":
+        return str(path.parent)
     if path.is_file() and path.parent.name == "checkpoints":
         return str(path.parent.parent)
     return new_run_dir
@@ -109,7 +112,7 @@ class Resume:
     def saved_tokenizer(self) -> dict | None:
         return self.checkpoint["hyper_parameters"]["tokenizer"] if self.checkpoint else None
 
-    def check_data(self, tokenizer, vocab_size: int) -> None:
+    def check_data(self, tokenizer: CharTokenizer | BPETokenizer, vocab_size: int) -> None:
         """The data of a resumed run must give the checkpoint's tokenizer and vocabulary rows
         (model.vocab_size is free on resume only because it is derived; a padding must match)."""
         if self.checkpoint is None:
@@ -274,8 +277,10 @@ class StopSignals(L.Callback):
     run does not repeat it). A second Ctrl-C quits at once.
 
     Lightning already turns SIGTERM into a SIGTERMException at a step boundary, on every rank of a
-    distributed run; SIGINT is routed through the same path. After fit() raises, `signum` and
-    `saved` say what stopped the run and where its checkpoint is.
+    distributed run; SIGINT is routed through the same path. After fit() raises a
+    SIGTERMException, `signum` and `saved` say what stopped the run and where its checkpoint is
+    (`signum` is set as soon as a signal comes, so a run whose fit() returned may have one
+    that came too late to stop it).
     """
 
     def __init__(self) -> None:
@@ -298,7 +303,9 @@ class StopSignals(L.Callback):
     def _on_sigterm(self, signum: int, frame) -> None:
         if self.signum is not None:
             print(
-                f"{signal.Signals(signum).name} again: still saving, then stopping", file=sys.stderr
+                f"{signal.Signals(signum).name}: a stop is already under way (saving, then "
+                "stopping)",
+                file=sys.stderr,
             )
         elif not self._training:
             raise SystemExit(128 + signum)

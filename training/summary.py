@@ -3,6 +3,7 @@ end-of-run sample before training too (its prompt is checked then), and at the e
 summary.json (for report.py and for people) and the printout of the best checkpoint."""
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -87,6 +88,7 @@ def run_summary(trainer: L.Trainer | None, started: float, status: str, error: s
         summary["attention/entropy_mean"] = maps.last_metrics.get("attention/entropy_mean")
         summary["attention_maps_seconds"] = maps.seconds  # on the training thread
         summary["attention_maps_drawing_seconds"] = maps.drawing_seconds  # in their own process
+        summary["attention_maps_skipped"] = maps.skipped_figures  # the drawer was still busy
     if isinstance(trainer.strategy.checkpoint_io, DurableCheckpointIO):
         summary["checkpoint_seconds"] = trainer.strategy.checkpoint_io.seconds
     return summary
@@ -99,7 +101,9 @@ def write_summary(output_dir: str, summary: dict) -> None:
     summary = {"overrides": list(job.overrides.task), "job": number, **summary}
     path = Path(output_dir) / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))
+    temporary = path.with_name(f".summary.json.{os.getpid()}.partial")
+    temporary.write_text(json.dumps(summary, indent=2))
+    os.replace(temporary, path)  # a reader never sees half a file
 
 
 def print_end(trainer: L.Trainer, sample: SamplingConfig, datamodule, run_dir: str) -> None:
