@@ -11,7 +11,8 @@ the data is nanoGPT's), against nanoGPT's recipe: which reaches the lower loss i
 
 nanoGPT runs from a scratch copy (its data prepared there by its own prepare.py from
 `--text`/input.txt); tinyformer trains on `--text`/train.txt and val.txt, which are nanoGPT's
-90/10 split (`data.paths` + `data.val_paths`). Per run: whole-process wall seconds, steady
+90/10 split (`data.paths` + `data.val_paths`), with W&B offline and the attention maps of the
+trained model (at the end) logged. Per run: whole-process wall seconds, steady
 tokens/s (median of the logged steps), seconds from launch to the end of the first optimizer
 step, each side's own best validation figure, and the loss of its best checkpoint on the whole
 validation text, computed the same way for both (every non-overlapping block). Then medians
@@ -107,6 +108,7 @@ def our_command(
         f"trainer.max_steps={steps}",
         "trainer.val_check_interval=250",
         f"trainer.limit_val_batches={recipe['eval_iters']}",
+        f"callbacks.attention_maps.every_n_steps={steps}",  # the maps of the trained model
         *recipe["ours"],
         *extra,
         f"hydra.run.dir={run_dir}",
@@ -116,19 +118,21 @@ def our_command(
 def timed(command: list[str], cwd: Path, first_step: re.Pattern | None = None) -> tuple:
     """(wall seconds, seconds until a stdout line matches `first_step`, stdout) of a command."""
     start = time.perf_counter()
-    process = subprocess.Popen(
-        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    lines, first = [], None
-    for line in process.stdout:
-        lines.append(line)
-        if first is None and first_step is not None and first_step.match(line):
-            first = time.perf_counter() - start
-    stderr = process.stderr.read()
-    process.wait()
-    wall = time.perf_counter() - start
-    if process.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-3000:]}")
+    with tempfile.TemporaryFile("w+") as stderr:  # a file: a full stderr pipe would block
+        process = subprocess.Popen(
+            command, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+        lines, first = [], None
+        for line in process.stdout:
+            lines.append(line)
+            if first is None and first_step is not None and first_step.match(line):
+                first = time.perf_counter() - start
+        process.wait()
+        wall = time.perf_counter() - start
+        if process.returncode != 0:
+            stderr.seek(0)
+            failure = stderr.read()[-3000:]
+            raise SystemExit(f"{' '.join(command)} failed ({process.returncode}):\n{failure}")
     return wall, first, "".join(lines)
 
 

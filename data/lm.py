@@ -226,6 +226,13 @@ class LMDataModule(CachedDataModule):
             key = {"files": file_fingerprint(files), "text_column": c.text_column}
             if c.val_paths:
                 val_files = expand_paths(c.val_paths, list(TEXT_BUILDERS), "data.val_paths")
+                both = sorted(set(files) & set(val_files))
+                if both:
+                    raise ValueError(
+                        f"data.val_paths: {both[0]} is also in data.paths, so the model would "
+                        "train on its validation text; keep the validation files out of "
+                        "data.paths"
+                    )
                 key["val_files"] = file_fingerprint(val_files)
             return key
         if c.source == "hub":
@@ -246,7 +253,8 @@ class LMDataModule(CachedDataModule):
         between prepare_data and setup cannot point them at different entries."""
         c = self.config
         key = {"version": FORMAT_VERSION, "source": self._source_key()}
-        key |= {"val_fraction": c.val_fraction, "tokenizer": self._tokenizer_key()}
+        split = "val_paths" if c.val_paths else c.val_fraction  # val_fraction is not used then
+        key |= {"val_fraction": split, "tokenizer": self._tokenizer_key()}
         return entry_path(c.cache_dir, "lm", key)
 
     def _corpus(self) -> "datasets.Dataset | datasets.IterableDataset":
@@ -334,6 +342,13 @@ class LMDataModule(CachedDataModule):
                 dropped += sum(batch["val_dropped"])
         counts = {"train": train.count, "val": val.count}
         for split, count in counts.items():
+            if count == 0 and c.val_paths:
+                key = "data.val_paths" if split == "val" else "data.paths"
+                raise ValueError(
+                    f"the {split} split is empty: {key} holds no text this tokenizer keeps (a "
+                    "character tokenizer drops validation characters the training text lacks); "
+                    f"check the files of {key}"
+                )
             if count == 0:
                 raise ValueError(
                     f"the {split} split of data.source={c.source} is empty: too few documents "
