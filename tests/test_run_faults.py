@@ -61,7 +61,8 @@ def test_a_best_checkpoint_and_last_ckpt_of_one_step_are_one_file_written_once(t
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0 < summary["checkpoint_seconds"] < summary["wall_seconds"]
 
-    resumed = run_training(cache, f"ckpt_path={run_dir}", "trainer.max_steps=4")
+    # Resumed from its checkpoints/ folder, the run continues in its own directory.
+    resumed = run_training(cache, f"ckpt_path={run_dir / 'checkpoints'}", "trainer.max_steps=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not best.samefile(last) and best.stat().st_nlink == 1
     assert (step_of(best), step_of(last)) == (2, 4)
