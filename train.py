@@ -27,7 +27,7 @@ from errors import check, check_int, exit_on_user_error, is_int
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
-from training.attention_maps import AttentionMapLogger
+from training.attention_maps import finish_maps, finish_maps_later
 from training.checkpoint_io import DurableCheckpointIO, claim_run_dir
 from training.errors import (
     TRAIN_ERRORS,
@@ -158,16 +158,8 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
         plugins=[DurableCheckpointIO()],
     )
     check_not_ddp_in_sweep(trainer.world_size)
-    for callback in callbacks:
-        if isinstance(callback, AttentionMapLogger):
-            callback.finish_later = True  # after the end-of-run printout: see fit()
+    finish_maps_later(callbacks)  # after the end-of-run printout: see fit()
     return trainer, stop
-
-
-def finish_attention_maps(trainer: L.Trainer) -> None:
-    for callback in trainer.callbacks:
-        if isinstance(callback, AttentionMapLogger):
-            callback.finish(trainer)
 
 
 def run_fit(
@@ -222,7 +214,7 @@ def fit(cfg: DictConfig) -> float | None:
         stop.exit(trainer, plan.run_dir)
     if trainer.is_global_zero:
         print_end(trainer, plan.sample, datamodule, plan.run_dir)  # the last maps draw meanwhile
-    finish_attention_maps(trainer)
+    finish_maps(trainer)
     if trainer.is_global_zero:  # again, now with the time the last maps took
         write_summary(plan.run_dir, run_summary(trainer, started, status, None))
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None

@@ -183,3 +183,17 @@ class AttentionMapLogger(L.Callback):
             }
             for logger in loggers:
                 logger.log_metrics(images, step=step)
+
+
+def finish_maps_later(callbacks: list[L.Callback]) -> None:
+    """The attention-map loggers among `callbacks` leave their last maps to finish_maps()."""
+    for callback in callbacks:
+        if isinstance(callback, AttentionMapLogger):
+            callback.finish_later = True
+
+
+def finish_maps(trainer: L.Trainer) -> None:
+    """Wait for, and log, the last maps of every attention-map logger of `trainer`."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, AttentionMapLogger):
+            callback.finish(trainer)
