@@ -59,7 +59,7 @@ class AttentionMapLogger(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step % self.every_n_steps == 0:
             self.log_attention(trainer, pl_module, final=trainer.global_step >= trainer.max_steps)
-        elif self._drawer is not None:
+        elif self._drawer is not None and self._drawer.pending:  # most steps: nothing to do
             self._log_drawn(trainer, wait=False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

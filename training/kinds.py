@@ -21,8 +21,10 @@ class ModelKind:
     datamodule: type
     data_choices: str
 
-    def target(self, cls: type) -> str:
-        return f"{cls.__module__}.{cls.__qualname__}"
+
+def _target(cls: type) -> str:
+    """How a config's `_target_` names `cls`."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _kind(name: str, module: type[TrainingModule], datamodule: type, choices: str) -> ModelKind:
@@ -53,7 +55,7 @@ def kind_of(model: DictConfig) -> ModelKind:
     """The kind whose config `model` (a `model` config node) instantiates, read from its target
     without instantiating it."""
     for kind in KINDS.values():
-        if model.get("_target_") == kind.target(kind.config):
+        if model.get("_target_") == _target(kind.config):
             return kind
     raise ValueError(f"model._target_={model.get('_target_')!r} is not one of the model configs")
 
@@ -62,7 +64,7 @@ def check_fits_data(kind: ModelKind, data: DictConfig, choices: dict) -> None:
     """Before the data config is instantiated: its interpolations may name keys that only the
     fitting model has (a character GPT's data reads model.block_size). `choices` are Hydra's
     runtime choices, for the message."""
-    if data.get("_target_") != kind.target(kind.datamodule):
+    if data.get("_target_") != _target(kind.datamodule):
         raise ValueError(
             f"model={choices.get('model')} cannot train on data={choices.get('data')}: use "
             f"{kind.data_choices}"
