@@ -57,9 +57,12 @@ from training.summary import (
 from training.sweep import (
     check_not_ddp_in_sweep,
     in_sweep,
+    pruned_reason,
+    raise_if_pruned,
     run_sweep_job,
     sqlite_url,
     sweep_run_names,
+    trial_pruning,
 )
 
 OmegaConf.register_new_resolver("sqlite_url", sqlite_url)
@@ -153,7 +156,7 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
     ]
     trainer = instantiate_checked(
         plan.cfg.trainer,
-        callbacks=[*callbacks, ResumeState(), stop],
+        callbacks=[*callbacks, ResumeState(), stop, *trial_pruning()],
         logger=loggers or False,
         plugins=[DurableCheckpointIO()],
     )
@@ -169,7 +172,8 @@ def run_fit(
     plan: Plan,
     stop: StopSignals,
 ) -> tuple[str, TrainingDiverged | None]:
-    """(status, error): how Trainer.fit ended. Running out of memory, and a checkpoint whose
+    """(status, error): how Trainer.fit ended ("pruned": an Optuna trial's pruner stopped it
+    early). Running out of memory, and a checkpoint whose
     optimizer state does not fit, are one-line errors."""
     stop.guard_shutdown()
     try:
@@ -186,7 +190,9 @@ def run_fit(
         optimizer_state_mismatch(failure, plan.resume.path)
         raise
     error = all_steps_skipped(module.skipped_steps, trainer.global_step)
-    return ("diverged" if error else "completed"), error
+    if error:
+        return "diverged", error
+    return ("pruned" if pruned_reason(trainer) else "completed"), None
 
 
 def fit(cfg: DictConfig) -> float | None:
@@ -210,13 +216,14 @@ def fit(cfg: DictConfig) -> float | None:
         write_summary(plan.run_dir, run_summary(trainer, started, status, error and str(error)))
     if error:
         raise error
-    if status != "completed":
+    if status not in ("completed", "pruned"):
         stop.exit(trainer, plan.run_dir)
     if trainer.is_global_zero:
         print_end(trainer, plan.sample, datamodule, plan.run_dir)  # the last maps draw meanwhile
     finish_maps(trainer)
     if trainer.is_global_zero:  # again, now with the time the last maps took
         write_summary(plan.run_dir, run_summary(trainer, started, status, None))
+    raise_if_pruned(trainer)
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
     if score is None:
         score = trainer.callback_metrics.get("val/loss")

@@ -8,10 +8,12 @@ import optuna
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 
 import report
 from helpers import ROOT, SMALLEST_BASE, run_script
+from hydra_plugins.tinyformer_optuna import OptunaSweeper, dimension
 from wandb_offline import history, run_info
 
 # A sweep's job: the smallest run, whose heads and logger the tests choose, for 12 steps.
@@ -110,24 +112,76 @@ def test_grid_runs_every_job_an_invalid_one_fails_alone_and_report_lists_them(tm
     assert f"| 2 | 4 | {report.UNFINISHED} |" in text and "| 0 | 2 | completed |" in text
 
 
+def test_optuna_space_draws_n_kv_head_among_the_divisors_of_n_head():
+    sweeper_cfg = composed("hparams_search=attention").hydra.sweeper
+    sweeper = OptunaSweeper(
+        "minimize", 1, None, None, params=sweeper_cfg.params, divides=sweeper_cfg.divides
+    )
+    parser = OverridesParser.create()
+    fixed, space = (
+        [],
+        [
+            dimension(o)
+            for o in parser.parse_overrides([f"{k}={v}" for k, v in sweeper_cfg.params.items()])
+        ],
+    )
+    space.sort(key=lambda d: d.key in sweeper.divides)  # as OptunaSweeper.space orders them
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    pairs = set()
+    for _ in range(60):
+        values = sweeper.suggest(study.ask(), fixed, space)
+        pairs.add((int(values["model.attention.n_head"]), int(values["model.attention.n_kv_head"])))
+    valid = {(h, kv) for h in (1, 2, 4, 8) for kv in (1, 2, 4, 8) if h % kv == 0}
+    assert pairs == valid
+
+
+# Each trial: no attention search but dropout (1.5 is invalid) and the learning rate (1e-9 does not
+# learn, and a threshold pruner stops it at its first validation).
+TRIAL = [*JOB, "optim.warmup_steps=0", "logger=csv", "model.attention.n_head=1"]
+TRIAL += ["model.position=learned", "model.attention.scale=1/sqrt_dk", "model.attention.window=128"]
+TRIAL += ["model.attention.dropout=choice(0.0,1.5)", "optim.lr=choice(0.01,1e-09)"]
+TRIAL += ["hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner"]
+TRIAL += ["~hydra.sweeper.pruner.n_startup_trials", "hydra.sweeper.pruner.n_warmup_steps=0"]
+TRIAL += ["+hydra.sweeper.pruner.upper=4.0"]
+GOOD, HOPELESS, INVALID = ("0.0", "0.01"), ("0.0", "1e-09"), ("1.5", "0.01")
+
+
 @pytest.mark.slow
-def test_optuna_search_records_failed_and_best_trials(tmp_path, cache):
+def test_optuna_search_prunes_records_failures_and_resumes(tmp_path, cache):
     sweep = tmp_path / "search"
-    overrides = ["hparams_search=attention", "hydra.sweeper.n_trials=3", *JOB, "logger=csv"]
-    # Half the space is invalid (8 key/value heads for 1 query head): those trials fail, and
-    # the search goes on.
-    overrides += ["model.attention.n_head=1", "model.attention.n_kv_head=choice(1,8)"]
-    overrides += ["hydra.sweeper.sampler.seed=3", f"hydra.sweep.dir={sweep}"]
-    result = run_script("train.py", *overrides, cache_dir=cache)
+    sweep.mkdir()
+    storage = f"sqlite:///{sweep / 'optuna.db'}"
+    study = optuna.create_study(study_name="attention", storage=storage)
+    for dropout, lr in (GOOD, HOPELESS, INVALID):  # these values first, in this order
+        study.enqueue_trial({"model.attention.dropout": dropout, "optim.lr": lr})
+    search = ["hparams_search=attention", *TRIAL, f"hydra.sweep.dir={sweep}"]
+    result = run_script("train.py", *search, "hydra.sweeper.n_trials=3", cache_dir=cache)
     assert result.returncode == 0, result.stderr[-3000:]
-    study = optuna.load_study(study_name="attention", storage=f"sqlite:///{sweep / 'optuna.db'}")
-    states = [trial.state.name for trial in study.trials]
-    assert len(states) == 3 and {"COMPLETE", "FAIL"} <= set(states)
+    study = optuna.load_study(study_name="attention", storage=storage)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED", "FAIL"]
     summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(3)]
-    for trial, summary in zip(study.trials, summaries, strict=True):
-        assert (trial.state.name == "FAIL") == (summary["status"] == "failed")
+    assert [s["status"] for s in summaries] == ["completed", "pruned", "failed"]
+    assert summaries[1]["steps"] == 6 < summaries[0]["steps"] == 12  # stopped at its first val
+    assert study.trials[1].intermediate_values == {6: pytest.approx(summaries[1]["val/loss"])}
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    completed = [s["best_val_loss"] for s in summaries if s["status"] == "completed"]
-    assert best["best_value"] == pytest.approx(min(completed))
-    assert study.best_value == pytest.approx(min(completed))
+    assert best["best_trial"] == 0 and best["best_value"] == pytest.approx(
+        summaries[0]["best_val_loss"]
+    )
+    assert best["best_params"]["optim.lr"] == "0.01"
     assert "Best trial (Optuna)" in report.report(sweep)
+
+    # A search killed during a trial leaves it RUNNING: resuming closes it as failed and runs its
+    # values again, in a new trial and directory, and only as many trials as are missing.
+    study.enqueue_trial({"model.attention.dropout": GOOD[0], "optim.lr": GOOD[1]})
+    killed = study.ask()
+    killed.suggest_categorical("model.attention.dropout", ["0.0", "1.5"])
+    killed.suggest_categorical("optim.lr", ["0.01", "1e-09"])
+    result = run_script("train.py", *search, "hydra.sweeper.n_trials=4", cache_dir=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = optuna.load_study(study_name="attention", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "FAIL", "FAIL", "COMPLETE"]
+    assert trials[4].user_attrs["retry_of"] == 3
+    assert {k: trials[4].params[k] for k in killed.params} == killed.params
+    assert json.loads((sweep / "4" / "summary.json").read_text())["status"] == "completed"
+    assert not (sweep / "3").exists()
+    assert json.loads((sweep / "1" / "summary.json").read_text())["status"] == "pruned"
