@@ -1,12 +1,18 @@
 """Tokenizers map text to integer ids and back. Each one serialises to a JSON dict with a "type"
-key, so a checkpoint can carry its tokenizer and `tokenizer_from_dict` can rebuild it."""
+key, so a checkpoint can carry its tokenizer and `tokenizer_from_dict` can rebuild it.
+
+On disk a tokenizer is two files: `tokenizer.json`, in the Hugging Face `tokenizers` library's
+own format, so `tokenizers.Tokenizer.from_file` and `transformers.PreTrainedTokenizerFast` load
+it and give our ids, and beside it `tinyformer_tokenizer.json`, what only tinyformer reads (which
+of our tokenizers it is and its special tokens). `load_tokenizer` reads both, and also the
+single tokenizer.json of older versions, which held the JSON dict itself."""
 
 import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 
 class SpecialTokens:
@@ -107,7 +113,27 @@ class CharTokenizer(SpecialTokens):
         return cls(d["chars"], d.get("specials", ()))  # files saved before specials have none
 
     def save(self, path: str | os.PathLike) -> None:
-        _write_atomic(Path(path), json.dumps(self.to_dict()))
+        """Write `path` (a tokenizer.json) and its extras file beside it; see `load_tokenizer`."""
+        _save(Path(path), self._library_tokenizer(), "char", self.specials)
+
+    def _library_tokenizer(self) -> Tokenizer:
+        """This tokenizer as a `tokenizers.Tokenizer` giving the same ids: a word-level model
+        whose words are single characters, each character split off as its own word, and the
+        tokens joined with nothing between them when decoding.
+
+        Text that spells a special's name, e.g. "<mask>", is where the two differ: `encode`
+        gives its characters' ids, while the library always matches added tokens in text and
+        gives the special's id; its switch against that (`encode_special_tokens`) is not saved
+        in its file. Both refuse a character outside the vocabulary: the model's unknown token
+        is "", which no vocabulary holds (specials are non-empty, characters single)."""
+        vocab = {token: i for i, token in enumerate(self._tokens)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=""))
+        # [\s\S]: any one character, newlines included, which "." would not match
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tokenizer.decoder = decoders.Fuse()
+        # Registered as special, so decoding with skip_special_tokens leaves them out, as ours does
+        tokenizer.add_special_tokens(self.specials)
+        return tokenizer
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CharTokenizer":
@@ -187,7 +213,8 @@ class BPETokenizer(SpecialTokens):
         return cls(Tokenizer.from_str(d["tokenizer"]), d.get("specials", ()))
 
     def save(self, path: str | os.PathLike) -> None:
-        _write_atomic(Path(path), json.dumps(self.to_dict()))
+        """Write `path` (a tokenizer.json) and its extras file beside it; see `load_tokenizer`."""
+        _save(Path(path), self._tokenizer, "bpe", self.specials)
 
 
 def _byte_level_bytes() -> dict[str, int]:
@@ -200,6 +227,8 @@ def _byte_level_bytes() -> dict[str, int]:
 
 
 TOKENIZERS = {"char": CharTokenizer, "bpe": BPETokenizer}
+# The `tokenizers` model each of our tokenizers saves as.
+LIBRARY_MODELS = {"char": models.WordLevel, "bpe": models.BPE}
 
 
 def tokenizer_from_dict(d: dict) -> CharTokenizer | BPETokenizer:
@@ -209,11 +238,67 @@ def tokenizer_from_dict(d: dict) -> CharTokenizer | BPETokenizer:
     return TOKENIZERS[kind].from_dict(d)
 
 
+def _extras_path(path: str | os.PathLike) -> Path:
+    """The file of tinyformer's own fields saved beside the tokenizer file `path`:
+    tinyformer_tokenizer.json beside tokenizer.json."""
+    path = Path(path)
+    return path.with_name(f"tinyformer_{path.name}")
+
+
 def load_tokenizer(path: str | os.PathLike) -> CharTokenizer | BPETokenizer:
+    """The tokenizer saved at `path`: a `tokenizers` tokenizer.json and its extras file beside
+    it, or a tokenizer.json of older versions, which holds our JSON dict alone."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer file at {path}; check the path")
-    return tokenizer_from_dict(json.loads(path.read_text(encoding="utf-8")))
+    saved = _read_json(path)
+    if "type" in saved:  # our dict: the `tokenizers` format has no top-level "type"
+        return tokenizer_from_dict(saved)
+    extras_file = _extras_path(path)
+    if not extras_file.is_file():
+        raise FileNotFoundError(
+            f"{path} has no {extras_file.name} beside it, which tinyformer saves with it (the "
+            "tokenizer's type and special tokens); copy the two files together"
+        )
+    extras = _read_json(extras_file)
+    kind, specials = extras.get("type"), extras.get("specials", [])
+    if kind not in TOKENIZERS:
+        raise ValueError(
+            f"{extras_file}: unknown tokenizer type {kind!r}; known: {sorted(TOKENIZERS)}"
+        )
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as error:  # the library raises a bare Exception
+        raise ValueError(f"{path} is not a readable tokenizers file ({error})") from None
+    tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+    # Two files can be paired wrongly (copied from different runs): say so rather than load a
+    # tokenizer whose special ids mean something else.
+    if not isinstance(tokenizer.model, LIBRARY_MODELS[kind]) or tokens[: len(specials)] != specials:
+        raise ValueError(
+            f"{path} and {extras_file.name} do not belong together: the latter describes a "
+            f"{kind} tokenizer with specials {specials}; save the tokenizer again"
+        )
+    if kind == "char":
+        return CharTokenizer(tokens[len(specials) :], specials)
+    return BPETokenizer(tokenizer, specials)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # not UTF-8, or not JSON: e.g. a file cut short
+        raise ValueError(f"{path} cannot be read as a tokenizer file ({error})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} cannot be read as a tokenizer file (not a JSON object)")
+    return saved
+
+
+def _save(path: Path, tokenizer: Tokenizer, kind: str, specials: list[str]) -> None:
+    # The extras first: a save cut short between the two writes leaves the previous
+    # tokenizer.json (which load_tokenizer checks against them) or none, never a new
+    # tokenizer.json without its extras.
+    _write_atomic(_extras_path(path), json.dumps({"type": kind, "specials": specials}))
+    _write_atomic(path, tokenizer.to_str())
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import data.lm
+from data.cache import write_marker
 from data.lm import LMDataModule, TokenWriter
 from data.seq2seq import Seq2SeqDataModule
 from helpers import ROOT, TINY, clean_env, run_script, small_disk
@@ -235,6 +236,11 @@ DAMAGES = [
     pytest.param(lambda e: flip_a_byte(e / "train.bin"), "checksum", id="train.bin-corrupted"),
     pytest.param(lambda e: (e / "val.bin").unlink(), "val.bin is missing", id="val.bin-missing"),
     pytest.param(lambda e: truncate(e / "tokenizer.json", 10), "tokenizer.json is", id="tokenizer"),
+    pytest.param(
+        lambda e: truncate(e / "tinyformer_tokenizer.json", 10),
+        "tinyformer_tokenizer.json is",
+        id="tokenizer-extras",
+    ),
     pytest.param(lambda e: (e / "meta.json").unlink(), "no meta.json", id="meta.json-missing"),
     pytest.param(meta_replaced_by_a_folder, "cannot be read", id="meta.json-unreadable"),
     pytest.param(
@@ -261,6 +267,20 @@ def test_a_damaged_entry_is_rebuilt_saying_why_in_one_line(
     assert problem in notices[0] and "Traceback" not in stderr
     assert leftovers(tmp_path) == []
     assert prepared(corpus, tmp_path).cache_hit  # and now it is whole again
+
+
+def test_an_entry_with_a_tokenizer_json_of_the_old_format_is_still_used(corpus, tmp_path):
+    intact = prepared(corpus, tmp_path)
+    entry, tokens = intact.cache_entry, token_lists(intact)
+    # What versions before wrote: our tokenizer dict as tokenizer.json, alone, and checksummed.
+    (entry / "tokenizer.json").write_text(json.dumps(intact.tokenizer.to_dict()))
+    (entry / "tinyformer_tokenizer.json").unlink()
+    meta = json.loads((entry / "meta.json").read_text())
+    del meta["files"]
+    write_marker(entry, meta)
+    reused = prepared(corpus, tmp_path)
+    assert reused.cache_hit and token_lists(reused) == tokens
+    assert reused.tokenizer.to_dict() == intact.tokenizer.to_dict()
 
 
 def test_a_damaged_seq2seq_entry_is_rebuilt(tmp_path, capsys):

@@ -171,7 +171,7 @@ def test_streaming_and_parallel_tokenisation_build_the_same_entry(corpus, tmp_pa
     entries = {name: module.cache_entry for name, module in built.items()}
     assert len({entry.name for entry in entries.values()}) == 1
     for name in ("stream", "procs"):
-        for file in ("train.bin", "val.bin", "tokenizer.json"):
+        for file in ("train.bin", "val.bin", "tokenizer.json", "tinyformer_tokenizer.json"):
             assert (entries[name] / file).read_bytes() == (entries["plain"] / file).read_bytes()
 
 

@@ -106,7 +106,7 @@ def test_tokenizer_save_load(tmp_path):
     tok = CharTokenizer.from_text("hello world\n")
     path = tmp_path / "tok.json"
     tok.save(path)
-    assert json.loads(path.read_text())["type"] == "char"
+    assert json.loads((tmp_path / "tinyformer_tok.json").read_text())["type"] == "char"
     for loaded in (CharTokenizer.load(path), load_tokenizer(path)):
         assert loaded.to_dict() == tok.to_dict()
         assert loaded.encode("low hell") == tok.encode("low hell")
