@@ -180,6 +180,10 @@ def jobs_logged_online(jobs: list[dict]) -> bool:
     return bool(wandb_logger) and wandb_logger.get("offline") is False
 
 
+class WandbUnavailable(Exception):
+    """W&B refused the report's run."""
+
+
 def log_to_wandb(sweep_dir: Path, jobs: list[dict], swept: list[str], plots: list[Path]) -> str:
     """A W&B run in the sweep's group holding the table and the plots; returns its directory."""
     import wandb
@@ -190,14 +194,21 @@ def log_to_wandb(sweep_dir: Path, jobs: list[dict], swept: list[str], plots: lis
         + [job.get(key) for _, key, _ in COLUMNS]
         for job in jobs
     ]
-    run = wandb.init(
-        project="tinyformer",
-        group=str(sweep_dir),
-        job_type="sweep-report",
-        name=f"report: {sweep_dir}",
-        dir=str(sweep_dir),
-        config={"sweep_dir": str(sweep_dir), "swept": swept},
-    )
+    try:
+        run = wandb.init(
+            project="tinyformer",
+            group=str(sweep_dir.resolve()),  # the jobs' group (training/wandb_run.py)
+            job_type="sweep-report",
+            name=f"report: {sweep_dir.resolve().name}",
+            dir=str(sweep_dir),
+            config={"sweep_dir": str(sweep_dir), "swept": swept},
+        )
+    except wandb.errors.Error as error:  # no login (UsageError), no server (CommError)...
+        raise WandbUnavailable(
+            f"logging the report to W&B failed ({str(error).splitlines()[0]}); log in with "
+            "`wandb login`, or set WANDB_MODE=offline to write it offline and `wandb sync` it "
+            "later"
+        ) from None
     run.log(
         {"sweep/table": wandb.Table(columns=header, data=rows)}
         | {f"sweep/{p.stem}": wandb.Image(str(p)) for p in plots}
@@ -235,7 +246,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         print(report(args.sweep_dir, args.wandb))
-    except FileNotFoundError as error:
+    except (FileNotFoundError, WandbUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -61,9 +61,9 @@ from training.sweep import (
     raise_if_pruned,
     run_sweep_job,
     sqlite_url,
-    sweep_run_names,
     trial_pruning,
 )
+from training.wandb_run import run_names
 
 OmegaConf.register_new_resolver("sqlite_url", sqlite_url)
 OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir)
@@ -151,7 +151,9 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
     stop = StopSignals()
     callbacks = [instantiate_checked(c) for c in (plan.cfg.get("callbacks") or {}).values()]
     loggers = [
-        instantiate_checked(c, **sweep_run_names(c), **plan.resume.wandb_options(c))
+        instantiate_checked(
+            c, **(run_names(c, plan.cfg.model, plan.run_dir) | plan.resume.wandb_options(c))
+        )
         for c in (plan.cfg.get("logger") or {}).values()
     ]
     trainer = instantiate_checked(

@@ -223,7 +223,8 @@ class CachedDataModule(L.LightningDataModule):
         """Use the validated dataclass `config`, and save it as plain values (lists, not Hydra's
         ListConfig) so checkpoints load with torch.load(weights_only=True)."""
         self.config = config
-        self.save_hyperparameters(dataclasses.asdict(config))
+        # In checkpoints only: the run's config, logged once by train.py, already holds them.
+        self.save_hyperparameters(dataclasses.asdict(config), logger=False)
 
     @property
     def cache_entry(self) -> Path:

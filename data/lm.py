@@ -105,6 +105,11 @@ class LMDataConfig:
             )
         if self.config is not None and self.source != "hub":
             raise ValueError(f"data.config is only read by source=hub, got {self.config!r}")
+        # A missing file is a config mistake: it fails here, before the trainer starts.
+        if self.paths:
+            expand_paths(self.paths, list(TEXT_BUILDERS))
+        if self.val_paths:
+            expand_paths(self.val_paths, list(TEXT_BUILDERS), "data.val_paths")
         if self.tokenizer_file is not None and not Path(self.tokenizer_file).is_file():
             raise FileNotFoundError(
                 f"data.tokenizer_file: no tokenizer at {self.tokenizer_file}; point it at the "

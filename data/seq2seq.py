@@ -96,6 +96,8 @@ class Seq2SeqDataConfig:
                 f"got paths={self.paths} and hub_name={self.hub_name!r}; "
                 "e.g. data=pairs data.paths=[pairs.jsonl]"
             )
+        if self.paths:
+            expand_paths(self.paths, list(FILE_FORMATS))  # a missing file fails here, first
 
 
 # --- Tokenizing and batching -------------------------------------------------------------------

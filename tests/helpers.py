@@ -181,11 +181,12 @@ def run_script(
 
 
 def train_run(run_dir: Path, *overrides: str, cache_dir: Path) -> Path:
-    """Run train.py into `run_dir`, fail the test with its stderr if it fails, keep its stdout
-    as run_dir/stdout.txt, and return run_dir."""
+    """Run train.py into `run_dir`, fail the test with its stderr if it fails, keep its output
+    as run_dir/stdout.txt and stderr.txt, and return run_dir."""
     result = run_script("train.py", *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache_dir)
     assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir / "stdout.txt").write_text(result.stdout)
+    (run_dir / "stderr.txt").write_text(result.stderr)
+    (run_dir / "stdout.txt").write_text(result.stdout)  # last: the run is complete
     return run_dir
 
 

@@ -39,6 +39,8 @@ CASES = [
     ("unknown_model_choice", "train.py", ["model=transformer"],
      "hydra:Could not find 'model/transformer'"),
     ("unknown_key", "train.py", ["model.n_layr=2"], "hydra:Key 'n_layr' is not in struct"),
+    ("missing_data_file", "train.py", ["data=text_files", "data.paths=[{tmp}/nope.txt]"],
+     "error: data.paths: no file at {tmp}/nope.txt; check the path"),
     ("no_matching_files", "train.py", ["data=text_files", "data.paths=[{tmp}/nope*.txt]"],
      "error: data.paths: no file matches '{tmp}/nope*.txt'"),
     ("empty_corpus", "train.py", ["data=text_files", "data.paths=[{tmp}/empty.txt]"],
@@ -137,4 +139,6 @@ def test_bad_input_gets_one_line_and_status_1(inputs, tmp_path, script, override
         assert len(errors) == 1 and errors[0].startswith(fill(message)), result.stderr[-3000:]
         # The message is the run's last word: nothing after it.
         assert result.stderr.strip().splitlines()[-1] == errors[0]
+    # A mistake ends the run before Lightning or W&B say anything (they would not, in any case).
+    assert "GPU available" not in result.stdout and "wandb:" not in result.stderr
     assert not (inputs["tmp"] / "pwned").exists(), "a checkpoint ran code"

@@ -9,7 +9,15 @@ import torch
 
 from data.tokenizer import tokenizer_from_dict
 from helpers import ROOT, TINY, clean_env, default_signals, run_script, train_run
-from wandb_offline import config, history
+from wandb_offline import config, history, run_info, summary
+
+
+def test_tab_completion_lists_config_keys(tmp_path):
+    line = "python train.py model.attention.n_"
+    environment = {"COMP_LINE": line, "COMP_POINT": str(len(line))}
+    result = run_script("train.py", "-sc", "query=bash", cache_dir=tmp_path, env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {"model.attention.n_head=", "model.attention.n_kv_head="} <= set(result.stdout.split())
 
 
 @pytest.mark.slow
@@ -43,6 +51,34 @@ def test_offline_wandb_run_has_decreasing_val_loss_and_attention_images(trained_
     pngs = list(trained_run.glob("wandb/offline-run-*/files/media/images/attention/layer*/*.png"))
     assert len(pngs) >= 4, pngs  # 2 layers x (step 40, step 80)
     assert config(trained_run)["model"]["attention"]["n_head"] == 4
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_config_is_the_run_config_and_its_summary_the_best(trained_run):
+    logged = config(trained_run)
+    checkpoint = torch.load(trained_run / "checkpoints" / "last.ckpt", weights_only=True)
+    run_config = checkpoint["hyper_parameters"]["run_config"]  # the resolved config, recorded
+    assert logged.keys() - {"_wandb"} == run_config.keys()
+    for key, value in run_config.items():
+        assert logged[key] == value, key
+    val_losses = [row["val/loss"] for row in history(trained_run) if "val/loss" in row]
+    logged_summary = summary(trained_run)
+    assert logged_summary["val/loss"] == {"min": pytest.approx(min(val_losses))}
+    assert logged_summary["val/best_loss"] == pytest.approx(min(val_losses))
+    info = run_info(trained_run)
+    assert info["name"] == "gpt-2x64-shakespeare_char"
+    assert info["group"] == str(trained_run.resolve())
+
+
+@pytest.mark.slow
+def test_a_run_prints_what_a_user_needs_and_no_library_noise(trained_run):
+    stdout = (trained_run / "stdout.txt").read_text()
+    output = stdout + (trained_run / "stderr.txt").read_text()
+    assert stdout.startswith("model: 0.")  # the size and the baseline come first
+    noise = ["GPU available", "litlogger", "Seed set", "Trainable params", "anonymous"]
+    noise += ["Run history", "Deprecat", "Warning:", "Traceback"]
+    for line in noise:
+        assert line not in output, line
 
 
 @pytest.mark.slow

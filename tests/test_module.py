@@ -1,6 +1,9 @@
-"""The LightningModule's validation metrics, through a real Trainer on real cached data."""
+"""The LightningModule's validation metrics: through a real Trainer on real cached data, and
+through the module's validation hooks driven by hand on batches built to the purpose."""
 
+import io
 import math
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -8,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from data.lm import LMDataModule
-from helpers import tiny_gpt_config
-from training.module import LanguageModelModule
+from data.tokenizer import CharTokenizer
+from helpers import BOS, FIRST_WORD, tiny_encdec, tiny_gpt_config
+from training.module import LanguageModelModule, Seq2SeqModule, TrainingModule
 
 TEXT = "\n\n".join(f"Speaker {i}:\nSome words, and more words; line {i % 7}." for i in range(200))
 
@@ -44,3 +48,106 @@ def test_bits_per_char_is_loss_per_character_of_val_text(tmp_path, tokenizer):
     assert metrics["val/bits_per_char"] == pytest.approx(nats / chars / math.log(2), rel=1e-4)
     tokens = sum(y.numel() for _, y in data.val_dataloader())
     assert metrics["val/loss"] == pytest.approx(nats / tokens, rel=1e-4)
+
+
+def validate(
+    module: TrainingModule, batches: list, monkeypatch, sanity_checking: bool = False
+) -> dict[str, float]:
+    """What one validation of `batches` logs, through the module's own hooks in the trainer's
+    order, with a stand-in for the trainer: a real one logs only inside its loops."""
+    logged = {}
+    monkeypatch.setattr(module, "log", lambda name, value, **_: logged.update({name: float(value)}))
+    module.trainer = SimpleNamespace(sanity_checking=sanity_checking, datamodule=None)
+    module.on_validation_start()
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            module.validation_step(batch, index)
+    module.on_validation_epoch_end()
+    return logged
+
+
+def seq2seq_batch(module: Seq2SeqModule, rows: int, length: int, correct: list, scored: int):
+    """A batch of `rows` pairs whose target_out holds the model's own prediction at the
+    positions `correct` lists ((row, position) pairs), another id at the other positions
+    before `scored` in each row, and -100 from there on."""
+    words = module.tokenizer.vocab_size - FIRST_WORD
+    source = torch.randint(FIRST_WORD, FIRST_WORD + words, (rows, length))
+    target_in = torch.randint(FIRST_WORD, FIRST_WORD + words, (rows, length))
+    target_in[:, 0] = BOS
+    mask = torch.ones(rows, length, dtype=torch.bool)
+    with torch.no_grad():
+        predicted = module.model(source, target_in, mask, mask)[0].argmax(-1)
+    target_out = FIRST_WORD + (predicted - FIRST_WORD + 1) % words  # never the prediction
+    for row, position in correct:
+        target_out[row, position] = predicted[row, position]
+    target_out[:, scored:] = -100
+    return {
+        "source": source,
+        "target_in": target_in,
+        "source_mask": mask,
+        "target_mask": mask,
+        "target_out": target_out,
+    }
+
+
+def test_token_accuracy_is_correct_tokens_over_all_scored_tokens(monkeypatch):
+    tokenizer = CharTokenizer(list("abcde"), specials=["<pad>", "<bos>", "<eos>"])
+    config = tiny_encdec(tokenizer.vocab_size).config.to_dict()
+    module = Seq2SeqModule(config, {"lr": 1e-3}, tokenizer.to_dict()).eval()
+    monkeypatch.setattr(module, "decode_scores", lambda datamodule: (0.0, 0.0))
+    # 2 of 2 scored tokens right, then 1 of 10: 3 of 12 in all, where the mean of the batches'
+    # ratios (or of two ranks', one batch each) would be 0.55.
+    batches = [
+        seq2seq_batch(module, rows=1, length=4, correct=[(0, 0), (0, 1)], scored=2),
+        seq2seq_batch(module, rows=2, length=5, correct=[(1, 3)], scored=5),
+    ]
+    logged = validate(module, batches, monkeypatch)
+    assert logged["val/token_accuracy"] == pytest.approx(3 / 12)
+
+    # val/loss weighs each batch's mean loss by its scored tokens
+    with torch.no_grad():
+        losses = [float(module.loss(batch)[0]) for batch in batches]
+    assert logged["val/loss"] == pytest.approx((2 * losses[0] + 10 * losses[1]) / 12, rel=1e-5)
+
+    # the next validation counts afresh
+    assert validate(module, batches[1:], monkeypatch)["val/token_accuracy"] == pytest.approx(0.1)
+
+
+@pytest.mark.filterwarnings("ignore:Encountered `nan` values")  # torchmetrics on a NaN loss
+def test_best_loss_is_the_lowest_finite_val_loss_and_survives_a_checkpoint(monkeypatch):
+    tokenizer = CharTokenizer(list("abcde"))
+    config = tiny_gpt_config(tokenizer.vocab_size, n_layer=1).to_dict()
+
+    def new_module() -> LanguageModelModule:
+        return LanguageModelModule(config, {"lr": 1e-3}, tokenizer.to_dict())
+
+    def best_after(module: LanguageModelModule, loss: float, **options) -> float | None:
+        """val/best_loss as logged by a validation whose loss is `loss`."""
+        monkeypatch.setattr(module, "loss", lambda batch: (torch.tensor(loss), None, 8))
+        batch = (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+        logged = validate(module, [batch], monkeypatch, **options)
+        assert logged["val/loss"] == pytest.approx(loss, nan_ok=True)
+        return logged.get("val/best_loss")
+
+    module = new_module()
+    # the sanity check's validation is no result: neither logged nor kept
+    assert best_after(module, 0.1, sanity_checking=True) is None
+    losses = [3.0, math.inf, 2.0, math.nan, -math.inf, 2.5, 1.5, 1.75]  # exact in float32
+    expected = [3.0, 3.0, 2.0, 2.0, 2.0, 2.0, 1.5, 1.5]
+    assert [best_after(module, loss) for loss in losses] == expected
+
+    checkpoint = {}
+    module.on_save_checkpoint(checkpoint)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    resumed = new_module()
+    resumed.on_load_checkpoint(torch.load(buffer, weights_only=True))  # as checkpoints load
+    assert best_after(resumed, 1.75) == 1.5
+    assert best_after(resumed, 1.25) == 1.25
+
+    # a checkpoint saved before val/best_loss existed starts from infinity
+    older = new_module()
+    older.on_load_checkpoint({"skipped_steps": 0})
+    assert best_after(older, math.inf) == math.inf
+    assert best_after(older, 9.0) == 9.0

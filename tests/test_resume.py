@@ -155,7 +155,7 @@ def test_sigkilled_job_repeating_its_command_with_ckpt_path_last_resumes_exactly
     first_id = first.stem.removeprefix("run-")
     resumed_run = run_info(second)
     assert resumed_run["id"] != first_id
-    assert resumed_run["group"] == first_id  # the W&B UI shows the two together
+    assert resumed_run["group"] == str(run_dir.resolve())  # the W&B UI shows the two together
     assert config(second)["resumed_from"]["step"] == 20
     # The history goes on at the restored step.
     steps = [row["trainer/global_step"] for row in history(second) if "train/loss" in row]

@@ -79,6 +79,16 @@ def config(run_dir: Path) -> dict:
     return values
 
 
+def summary(run_dir: Path) -> dict:
+    """The run's summary as W&B last recorded it (nested keys joined the way W&B stores them)."""
+    values = {}
+    for record in records(run_file(run_dir)):
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                values[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return values
+
+
 def run_info(run_dir: Path) -> dict:
     """The run's id, name, group, job type and tags, from its first run record."""
     for record in records(run_file(run_dir)):

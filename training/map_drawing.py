@@ -82,6 +82,7 @@ class MapDrawer:
                 self._inbox.put(pickle.load(self._process.stdout))
         except (EOFError, OSError, pickle.UnpicklingError):
             self._inbox.put(None)  # the process ended
+            self._process.stdout.close()  # here, where nothing reads it any more
 
     def submit(self, job: MapJob) -> None:
         self.pending += 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 from torch import Tensor
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import MeanMetric, Metric, SumMetric
 
 from data.metrics import character_error_rate
 from data.seq2seq import pad_sequences
@@ -26,6 +26,8 @@ from training.guard import TrainingDiverged, UpdateGuard, check_nonfinite_action
 
 # query labels and key labels of an attention map, by the map's name
 LabelsFor = Callable[[str], tuple[list[str], list[str]]]
+# targets the models' loss ignores (padding): not scored by token accuracy either
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -89,6 +91,7 @@ class TrainingModule(L.LightningModule):
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
         self.val_loss = MeanMetric()
+        self.best_val_loss = math.inf  # the lowest finite val/loss so far, kept in checkpoints
         self._window_start: float | None = None  # when the current throughput window began
         self._window_tokens = 0
         self._step_loss: Tensor | None = None
@@ -139,9 +142,12 @@ class TrainingModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         self._act_on_skipped_updates()  # nothing is saved after a diverged step
         checkpoint["skipped_steps"] = self.skipped_steps
+        checkpoint["best_val_loss"] = self.best_val_loss
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
+        # checkpoints from before val/best_loss have none: every loss since is the best so far
+        self.best_val_loss = checkpoint.get("best_val_loss", math.inf)
 
     def on_train_start(self) -> None:
         # A run resumed with another optim.lr: the restored schedule keeps the checkpoint's base
@@ -222,6 +228,15 @@ class TrainingModule(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/perplexity", torch.exp(loss))
+        if self.trainer.sanity_checking:
+            return  # the sanity check scores the weights before training: not a result
+        # W&B Sweeps optimise a metric's last value, so the sweep's objective is this running
+        # minimum. `loss` is already the mean over ranks, so every rank keeps the same one; and
+        # reading it is one host sync a validation, not one a batch.
+        value = float(loss)
+        if math.isfinite(value) and value < self.best_val_loss:
+            self.best_val_loss = value
+        self.log("val/best_loss", self.best_val_loss)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(
@@ -277,11 +292,37 @@ class LanguageModelModule(TrainingModule):
         return (lambda: self.model.forward(sample[None])), (lambda name: (labels, labels))
 
 
+class TokenAccuracy(Metric):
+    """Predictions equal to their target over the targets scored (not IGNORE_INDEX), as the sums
+    of both over all batches and ranks, divided once: a mean of per-batch or per-rank ratios
+    would weigh a token by the size of its batch. Updates stay on the device (no host sync)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("correct", torch.tensor(0), dist_reduce_fx="sum")
+        self.add_state("counted", torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, predictions: Tensor, targets: Tensor) -> None:
+        scored = targets != IGNORE_INDEX
+        # a mask product, not indexing by the mask: indexing sizes its result on the host
+        self.correct += ((predictions == targets) & scored).sum()
+        self.counted += scored.sum()
+
+    def compute(self) -> Tensor:
+        return self.correct / self.counted.clamp(min=1)  # 0, not NaN, when nothing was scored
+
+
 class Seq2SeqModule(TrainingModule):
     """The encoder-decoder on (source, target) pairs, scored by loss, token accuracy, and by
     exact match and character error rate of greedy decodes of a fixed validation subset."""
 
     kind = "encdec"
+
+    def __init__(self, model: dict, optim: dict, tokenizer: dict, **options):
+        super().__init__(model, optim, tokenizer, **options)
+        self.val_token_accuracy = TokenAccuracy()
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, int]:
         logits, loss = self.model(
@@ -294,20 +335,18 @@ class Seq2SeqModule(TrainingModule):
         tokens = int(batch["source_mask"].sum() + batch["target_mask"].sum())
         return loss, logits, tokens
 
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._correct = self._counted = 0
-
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         loss, logits, _ = self.loss(batch)
-        scored = batch["target_out"] != -100
-        self.val_loss.update(loss, weight=int(scored.sum()))  # the loss is a mean over these
-        self._correct += int((logits.argmax(-1) == batch["target_out"])[scored].sum())
-        self._counted += int(scored.sum())
+        targets = batch["target_out"]
+        scored = targets != IGNORE_INDEX
+        self.val_loss.update(loss, weight=scored.sum())  # the loss is a mean over these
+        self.val_token_accuracy.update(logits.argmax(-1), targets)
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
-        self.log("val/token_accuracy", self._correct / max(1, self._counted), sync_dist=True)
+        # summed over batches and ranks already: logged as it is, with no sync_dist averaging
+        self.log("val/token_accuracy", self.val_token_accuracy.compute())
+        self.val_token_accuracy.reset()
         exact_match, cer = self.decode_scores(self.trainer.datamodule)
         self.log("val/exact_match", exact_match)
         self.log("val/cer", cer)

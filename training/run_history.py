@@ -22,19 +22,29 @@ def seconds_since_process_start() -> float | None:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+# Hydra runs all the jobs of a sweep in one process: only the first run's start-up includes the
+# interpreter's and the imports.
+_runs_started = 0
+
+
 class RunHistory(L.Callback):
     """Rows of {"step", "time", "train/...": value} every `trainer.log_every_n_steps` steps and
     of {"step", "time", "val/...": value} after every validation (sanity checks excluded);
-    "time" is wall seconds of fitting. Also the seconds from process start to the end of the
-    first optimizer step: the start-up cost a user waits through.
+    "time" is wall seconds of fitting. Also the seconds from the run's start (the process's,
+    for the first run in a process) to the end of the first optimizer step: the start-up cost a
+    user waits through.
 
     The rows travel in checkpoints, so a resumed run's history is the interrupted run's up to
     the checkpoint, then its own: no gap, no repeated step, and time carries on.
     """
 
     def __init__(self) -> None:
+        global _runs_started
         self.rows: list[dict[str, float]] = []
         self.first_step_seconds: float | None = None
+        since_start = seconds_since_process_start() if _runs_started == 0 else None
+        self._run_start = time.perf_counter() - (since_start or 0.0)
+        _runs_started += 1
         self._fit_start = time.perf_counter()
         self._earlier_seconds = 0.0  # fitting time of the runs this one resumes
 
@@ -57,7 +67,7 @@ class RunHistory(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         if self.first_step_seconds is None:
-            self.first_step_seconds = seconds_since_process_start()
+            self.first_step_seconds = time.perf_counter() - self._run_start
         if trainer.global_step % trainer.log_every_n_steps == 0:
             self._record(trainer, "train/")
 

@@ -1,6 +1,6 @@
 """What differs when train.py runs as one job of a Hydra sweep (`-m`, or an Optuna search):
-where the Optuna study lives, the trial a job reports its validation curve to, the W&B names of
-a job, and the settings a sweep cannot run."""
+where the Optuna study lives, the trial a job reports its validation curve to, and the settings
+a sweep cannot run."""
 
 import sys
 import time
@@ -100,17 +100,6 @@ def sqlite_url(path: str) -> str:
     created before Hydra makes the sweep directory it lives in."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{Path(path).resolve()}"
-
-
-def sweep_run_names(node: DictConfig) -> dict:
-    """For a W&B logger in a sweep job, what the config leaves unset: the sweep directory as the
-    group, the job's overrides as tags (W&B allows 64 characters) and as its name."""
-    if not (in_sweep() and node.get("_target_", "").endswith("WandbLogger")):
-        return {}
-    job = HydraConfig.get()
-    names = {"group": job.sweep.dir, "tags": [o[:64] for o in job.overrides.task]}
-    names["name"] = f"{job.job.num}: {job.job.override_dirname}"[:128]
-    return {key: value for key, value in names.items() if not node.get(key)}
 
 
 def check_not_ddp_in_sweep(world_size: int) -> None:

@@ -1,0 +1,88 @@
+"""The W&B side of a run: the logger (Lightning's, quieter, with best-value summaries) and the
+run's name and group, which say what was trained without opening the run."""
+
+from pathlib import Path
+
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from omegaconf import DictConfig
+
+from training.sweep import in_sweep
+
+# Which way each validation metric improves: a run's summary holds its best value, as the
+# checkpoint and the Optuna search judge a run, not its last. (val/best_loss, the running
+# minimum, is a plain value: W&B Sweeps can only optimise a top-level number.)
+BEST = {
+    "val/loss": "min",
+    "val/perplexity": "min",
+    "val/bits_per_char": "min",
+    "val/cer": "min",
+    "val/token_accuracy": "max",
+    "val/exact_match": "max",
+}
+
+
+class WandbLogger(LightningWandbLogger):
+    """Lightning's W&B logger, with summaries of the best values (BEST), W&B's quiet console
+    output (where the run is saved, not its banner and closing tables), and without the
+    `anonymous` argument, which W&B warns has no effect."""
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("settings", {"quiet": True})
+        super().__init__(**kwargs)
+        self._wandb_init.pop("anonymous", None)
+
+    @property
+    def experiment(self):  # the parent's: the run on rank zero, a stand-in on the others
+        first = self._experiment is None
+        run = super().experiment
+        if first and rank_zero_only.rank == 0:
+            for key, summary in BEST.items():
+                run.define_metric(key, summary=summary)
+        return run
+
+
+def run_names(node: DictConfig, model: DictConfig, run_dir: str) -> dict:
+    """For a W&B logger, what its config leaves unset: a name from the model's shape and the
+    key config choices, led in a sweep by the job's swept values; the run directory as the
+    group (the sweep's directory in a sweep), so a run and its resumptions, or a sweep's jobs,
+    group together; and in a sweep, the job's overrides as tags (W&B allows 64 characters)."""
+    if not node.get("_target_", "").endswith("WandbLogger"):
+        return {}
+    hydra = HydraConfig.get()
+    choices = hydra.runtime.choices
+    if "n_encoder_layer" in model:
+        shape = f"encdec-{model.n_encoder_layer}+{model.n_decoder_layer}x{model.n_embd}"
+    else:
+        shape = f"gpt-{model.n_layer}x{model.n_embd}"
+    parts = [shape, choices.get("data"), choices.get("experiment")]
+    name = "-".join(str(p) for p in parts if p and p != "null")
+    names = {"name": name, "group": str(Path(run_dir).resolve())}
+    if in_sweep():
+        swept = swept_overrides(list(hydra.overrides.task), Path(hydra.sweep.dir))
+        names["name"] = f"{','.join(short_names(swept))}-{name}"[:128]
+        names["group"] = str(Path(hydra.sweep.dir).resolve())
+        names["tags"] = [o[:64] for o in hydra.overrides.task]
+    return {key: value for key, value in names.items() if not node.get(key)}
+
+
+def swept_overrides(job_overrides: list[str], sweep_dir: Path) -> list[str]:
+    """The job's overrides that the sweep chose: those not given as such on its command line
+    (recorded in multirun.yaml, which both sweepers write before the first job)."""
+    record = sweep_dir / "multirun.yaml"
+    given = set()
+    if record.is_file():
+        given = set(yaml.safe_load(record.read_text())["hydra"]["overrides"]["task"])
+    return [o for o in job_overrides if o not in given]
+
+
+def short_names(overrides: list[str]) -> list[str]:
+    """key=value with each key's last part (n_head=4), unless two keys share it."""
+    keys = [o.split("=", 1)[0] for o in overrides]
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return [
+        f"{short if last.count(short) == 1 else key}={o.split('=', 1)[1]}"
+        for o, key, short in zip(overrides, keys, last, strict=True)
+    ]
