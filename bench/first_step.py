@@ -4,6 +4,10 @@ data cache, for this checkout and another one (say an older commit: `git worktre
 
     python bench/first_step.py --other /tmp/old [--repeats 5] [-- overrides...]
 
+`--python` and `--other-python` run each checkout with its own interpreter (a venv of its own
+dependencies: `python -m venv /tmp/ov && /tmp/ov/bin/pip install -e /tmp/old`); both default
+to this one.
+
 Each run is the default config (W&B offline, the default model and data) stopped after a few
 steps; the figure is the run's own `seconds_to_first_step` (summary.json, counted from process
 start). Both checkouts share one data cache, warmed by a run of each first.
@@ -20,10 +24,10 @@ from pathlib import Path
 from runs import compare_checkouts
 
 
-def first_step_seconds(root: Path, overrides: list[str], cache: str) -> float:
+def first_step_seconds(python: str, root: Path, overrides: list[str], cache: str) -> float:
     run_dir = Path(tempfile.mkdtemp(prefix="first_step-"))
     subprocess.run(
-        [sys.executable, str(root / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+        [python, str(root / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
         cwd=root,
         env={**os.environ, "TINYFORMER_CACHE": cache},
         capture_output=True,
@@ -36,14 +40,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--other", type=Path, required=True, help="another checkout's root")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--python", default=sys.executable, help="this checkout's interpreter")
+    parser.add_argument("--other-python", default=sys.executable, help="the other's interpreter")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for both")
     args = parser.parse_args()
     overrides = ["trainer.max_steps=3", "trainer.val_check_interval=3", *args.overrides]
     cache = tempfile.mkdtemp(prefix="first_step-cache-")
-    for root in (args.other.resolve(), Path(__file__).resolve().parents[1]):  # warm the cache
-        first_step_seconds(root, overrides, cache)
+    this = Path(__file__).resolve().parents[1]
+    pythons = {args.other.resolve(): args.other_python, this: args.python}
+    for root, python in pythons.items():  # warm the data cache and each side's compile caches
+        first_step_seconds(python, root, overrides, cache)
     compare_checkouts(
-        lambda root: first_step_seconds(root, overrides, cache), args.other, args.repeats
+        lambda root: first_step_seconds(pythons[root.resolve()], root, overrides, cache),
+        args.other,
+        args.repeats,
     )
 
 
