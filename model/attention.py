@@ -11,8 +11,10 @@ Mask convention, everywhere in the project: a boolean mask is True where attenti
 Masks broadcast against the scores, shape (..., Tq, Tk). A query whose keys are all masked
 attends to nothing: its weights and its output are zeros, never NaN.
 
-Two paths compute the same thing. The math path below returns the attention weights; the fused
-path (torch's kernel) is used when nobody asks for them, and is faster and lighter.
+Three paths compute the same thing. The math path below returns the attention weights; the fused
+path (torch's kernel) is used when nobody asks for them, and is faster and lighter. A sliding
+window over a long sequence goes to local_attention, which runs the same kernel on blocks of the
+band so that it costs T·W instead of T².
 """
 
 import math
@@ -24,6 +26,17 @@ from torch import Tensor, nn
 
 from errors import check_field_types, check_int, is_number
 from model.layers import RotaryEmbedding, alibi_bias, alibi_slopes
+
+
+def check_key_padding_mask(key_padding_mask: Tensor | None, k_len: int) -> None:
+    """A key padding mask is boolean (B, Tk), True for real tokens."""
+    if key_padding_mask is None:
+        return
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.shape[-1] != k_len:
+        raise ValueError(
+            f"key_padding_mask must be a boolean (B, Tk={k_len}) tensor, True for real "
+            f"tokens; got {key_padding_mask.dtype} of shape {tuple(key_padding_mask.shape)}"
+        )
 
 
 def repeat_kv(x: Tensor, n_head: int) -> Tensor:
@@ -93,6 +106,106 @@ def scaled_dot_product_attention(
     return dropped @ v, weights
 
 
+def _sequence_in_blocks(x: Tensor, block: int) -> Tensor:
+    """x (B, H, T, D) as (B, T', H, D), zeros after T up to a multiple T' of `block`. That is the
+    projections' memory layout, so without padding this is a view."""
+    sequence = x.transpose(1, 2)
+    rest = -sequence.size(1) % block
+    return F.pad(sequence, (0, 0, 0, 0, 0, rest)) if rest else sequence
+
+
+class _Windows(torch.autograd.Function):
+    """x.unfold(0, size, step), size a multiple of step: the overlapping windows of x (N, ...)
+    as a view (n, ..., size). Its backward adds each window's gradient back onto x a block of
+    `step` rows at a time, several times faster than autograd's generic unfold backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, size: int, step: int) -> Tensor:
+        ctx.x_shape, ctx.size, ctx.step = x.shape, size, step
+        return x.unfold(0, size, step)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        parts = ctx.size // ctx.step
+        windows = grad.movedim(-1, 1).unflatten(1, (parts, ctx.step))  # (n, parts, step, ...)
+        grad_x = grad.new_zeros(ctx.x_shape)
+        blocks = grad_x.view(-1, ctx.step, *ctx.x_shape[1:])  # window w, part j: block w + j
+        for part in range(parts):
+            blocks[part : part + len(windows)] += windows[:, part]
+        return grad_x, None, None
+
+
+def _key_windows(x: Tensor, block: int, after: int) -> Tensor:
+    """For each block of queries, the keys it may reach: x (B, H, T, D) -> (B·nb, H, K, D) with
+    K = (2 + after)·block, the block before, its own and, if after = 1, the one after.
+
+    B and T are laid end to end as one sequence, with a block of zeros before (and after), so
+    that the windows are a strided view of it rather than copies: a window that reaches into
+    the neighbouring sequence only meets keys the mask removes."""
+    sequence = _sequence_in_blocks(x, block).flatten(0, 1)  # (B·T', H, D)
+    sequence = F.pad(sequence, (0, 0, 0, 0, block, after * block))
+    return _Windows.apply(sequence, (2 + after) * block, block).transpose(-1, -2)
+
+
+def local_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: int,
+    *,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Sliding-window self-attention in time and memory T·W, where the dense path costs T².
+
+    q (B, H, T, D), k and v (B, Hkv, T, D) at the same positions 0..T-1 -> output (B, H, T, D).
+    Query i sees key j where 0 <= i - j < window (causal) or |i - j| < window, and where
+    key_padding_mask (B, T) is True; alibi_slopes (H,) add -slope·|i - j| to the scores. The
+    result is the dense path's with the same mask (tested): the fused kernel given the dense
+    (T, T) mask still scores every pair before the mask discards all but T·W of them.
+
+    The positions are cut into nb = ceil(T / window) blocks. Every key a block's queries can
+    reach lies in the block before it, in its own and (not causal) in the one after, so each
+    block attends to K = 2 or 3 blocks of keys: nb problems of window × K scores, which the fused
+    kernel runs as one batch (B·nb, H, window, K). A mask of that size keeps the band and drops
+    the keys that do not exist (before 0, past T) and the padding.
+    """
+    batch, n_head, length, head_dim = q.shape
+    block, after = window, 0 if causal else 1
+    q_blocks = _sequence_in_blocks(q, block).reshape(-1, block, n_head, head_dim).transpose(1, 2)
+    n_blocks = q_blocks.size(0) // batch
+    k_windows = repeat_kv(_key_windows(k, block, after), n_head)  # (B·nb, H, K, D)
+    v_windows = repeat_kv(_key_windows(v, block, after), n_head)
+
+    # Query a of block n sits at position n·block + a, key c of its window at (n - 1)·block + c.
+    a = torch.arange(block, device=q.device)[:, None]
+    c = torch.arange(k_windows.size(-2), device=q.device)
+    distance = a + block - c  # i - j, the same in every block
+    band = (distance >= 0) & (distance < window) if causal else distance.abs() < window
+    key_position = torch.arange(n_blocks, device=q.device)[:, None, None] * block - block + c
+    allowed = band & (key_position >= 0) & (key_position < length)  # (nb, block, K)
+    if key_padding_mask is not None:
+        real = _key_windows(key_padding_mask[:, None, :, None], block, after)  # (B·nb, 1, K, 1)
+        allowed = allowed & real.reshape(batch, n_blocks, 1, -1)
+    # One mask per block of each sequence, shared by the heads: (B·nb, 1, block, K).
+    mask = allowed.expand(batch, n_blocks, block, -1).reshape(-1, 1, block, c.size(0))
+    if alibi_slopes is not None:
+        bias = -alibi_slopes[:, None, None] * distance.abs()
+        mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))  # (B·nb, H, block, K)
+
+    out = F.scaled_dot_product_attention(
+        q_blocks, k_windows, v_windows, attn_mask=mask, dropout_p=dropout_p, scale=scale
+    )
+    out = out.transpose(1, 2).reshape(batch, n_blocks * block, n_head, head_dim)
+    return out[:, :length].transpose(1, 2)
+
+
+# The local path runs from sequences of this many windows on (see _is_local).
+LOCAL_MIN_WINDOWS = 4
+
 # Named scales, as functions of the head dimension d_k; "1/dk" is the muP-style scaling.
 SCALE_RULES = {"1/sqrt_dk": lambda d_k: 1.0 / math.sqrt(d_k), "1/dk": lambda d_k: 1.0 / d_k}
 
@@ -142,39 +255,79 @@ class KVCache:
     """Keys and values (B, Hkv, T, D) of one attention layer, kept between decoding steps.
 
     Self-attention appends the new positions at each step; cross-attention fills the cache once
-    with the projected encoder output and reuses it. Storage is preallocated to `max_len` so a
-    step costs no copy of the past.
+    with the projected encoder output and reuses it. `length` counts the positions appended, at
+    most `max_len`. Storage is preallocated, so a step costs no copy of the past.
+
+    With a `window` W (causal sliding-window self-attention) no query reads a key more than
+    W - 1 positions back, so the cache keeps the last W positions only: a ring buffer of W slots
+    where position p lives in slot p mod W. Its keys come out of order once it wraps around,
+    which is why `append` returns their positions too.
     """
 
-    def __init__(self, max_len: int):
+    def __init__(self, max_len: int, window: int | None = None):
         self.max_len = max_len
+        self.slots = max_len if window is None else min(window, max_len)
         self.length = 0
         self._k: Tensor | None = None
         self._v: Tensor | None = None
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v (B, Hkv, T, D) after the cached positions; return all keys and values."""
-        new_length = self.length + k.size(-2)
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store k, v (B, Hkv, Tn, D) as the next Tn positions. Returns what the queries of those
+        positions may attend to: keys and values (B, Hkv, Tk, D) and the keys' positions (Tk,),
+        None while they are simply 0..Tk-1 (a window's ring has not wrapped around).
+        """
+        start, new_length = self.length, self.length + k.size(-2)
         if new_length > self.max_len:
             raise ValueError(
                 f"KV cache holds at most {self.max_len} positions, asked for {new_length}: "
                 "make a larger cache or start a new one"
             )
         if self._k is None:
-            self._k = k.new_empty(*k.shape[:-2], self.max_len, k.size(-1))
-            self._v = v.new_empty(*v.shape[:-2], self.max_len, v.size(-1))
-        self._k[..., self.length : new_length, :] = k
-        self._v[..., self.length : new_length, :] = v
+            self._k = k.new_empty(*k.shape[:-2], self.slots, k.size(-1))
+            self._v = v.new_empty(*v.shape[:-2], self.slots, v.size(-1))
+        # The new queries need the W - 1 positions before them. Writing first loses none of
+        # those when nothing is overwritten, or when one position arrives (it replaces the one W
+        # back); otherwise the stored keys are read before the new ones replace them.
+        if new_length <= self.slots:
+            self._write(k, v, start)
+            return self.keys, self.values, None
+        if k.size(-2) == 1:
+            self._write(k, v, start)
+            return self.keys, self.values, self._positions(new_length)
+        keys, values = torch.cat((self.keys, k), dim=-2), torch.cat((self.values, v), dim=-2)
+        new_positions = torch.arange(start, new_length, device=k.device)
+        positions = torch.cat((self._positions(start), new_positions))
+        self._write(k, v, start)
+        return keys, values, positions
+
+    def _write(self, k: Tensor, v: Tensor, start: int) -> None:
+        """Store positions start.. of k, v in their slots; only the last `slots` of them stay."""
+        kept = min(k.size(-2), self.slots)
+        new_length = start + k.size(-2)
+        slot = (new_length - kept) % self.slots
+        if slot + kept <= self.slots:  # one run of slots: a plain copy
+            self._k[..., slot : slot + kept, :] = k[..., -kept:, :]
+            self._v[..., slot : slot + kept, :] = v[..., -kept:, :]
+        else:  # the run wraps around the end of the ring
+            index = torch.arange(slot, slot + kept, device=k.device) % self.slots
+            self._k.index_copy_(-2, index, k[..., -kept:, :])
+            self._v.index_copy_(-2, index, v[..., -kept:, :])
         self.length = new_length
-        return self.keys, self.values
+
+    def _positions(self, length: int) -> Tensor:
+        """The position in each filled slot once `length` positions were appended: slot s holds
+        the latest p < length with p = s (mod slots)."""
+        slots = torch.arange(min(length, self.slots), device=self._k.device)
+        return length - 1 - (length - 1 - slots) % self.slots
 
     @property
     def keys(self) -> Tensor:
-        return self._k[..., : self.length, :]
+        """The stored keys (B, Hkv, min(length, slots), D), in slot order."""
+        return self._k[..., : min(self.length, self.slots), :]
 
     @property
     def values(self) -> Tensor:
-        return self._v[..., : self.length, :]
+        return self._v[..., : min(self.length, self.slots), :]
 
     def reorder(self, index: Tensor) -> None:
         """Select batch rows (beam search keeps the surviving hypotheses)."""
@@ -236,8 +389,9 @@ class MultiHeadAttention(nn.Module):
 
     def _project(
         self, x: Tensor, context: Tensor | None, cache: KVCache | None, query_offset: int = 0
-    ) -> tuple[Tensor, Tensor, Tensor, int]:
-        """q (B, H, Tq, D), k and v (B, Hkv, Tk, D), and the absolute position of x's first row.
+    ) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
+        """q (B, H, Tq, D), k and v (B, Hkv, Tk, D), the absolute position of x's first row, and
+        the keys' positions (Tk,) where they are not 0..Tk-1 (a windowed cache's).
 
         For cross-attention with RoPE, queries sit at target positions from query_offset and
         keys at source positions from 0, so scores depend on the offset between the two.
@@ -247,22 +401,23 @@ class MultiHeadAttention(nn.Module):
             if self.rope is not None:
                 q = self.rope(q, query_offset)
             if cache is not None and cache.length:
-                return q, cache.keys, cache.values, 0
+                return q, cache.keys, cache.values, 0, None
             k = self._split_heads(self.k_proj(context), self.n_kv_head)
             v = self._split_heads(self.v_proj(context), self.n_kv_head)
             if self.rope is not None:
                 k = self.rope(k)
             if cache is not None:
-                k, v = cache.append(k, v)
-            return q, k, v, 0
+                k, v, _ = cache.append(k, v)
+            return q, k, v, 0, None
         offset = cache.length if cache is not None else 0
         k = self._split_heads(self.k_proj(x), self.n_kv_head)
         v = self._split_heads(self.v_proj(x), self.n_kv_head)
         if self.rope is not None:
             q, k = self.rope(q, offset), self.rope(k, offset)
+        k_pos = None
         if cache is not None:
-            k, v = cache.append(k, v)
-        return q, k, v, offset
+            k, v, k_pos = cache.append(k, v)
+        return q, k, v, offset, k_pos
 
     def _mask(
         self,
@@ -272,10 +427,12 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None,
         attn_mask: Tensor | None,
         device: torch.device,
+        k_pos: Tensor | None = None,
     ) -> Tensor | None:
-        """Combine causality, window, padding, ALiBi and the caller's mask into one mask."""
+        """Combine causality, window, padding, ALiBi and the caller's mask into one mask, for
+        queries at positions offset.. and keys at k_pos (Tk,) (None: 0..Tk-1)."""
         q_pos = torch.arange(offset, offset + q_len, device=device)
-        k_pos = torch.arange(k_len, device=device)
+        k_pos = torch.arange(k_len, device=device) if k_pos is None else k_pos
         allowed = None
         if self.causal:
             allowed = k_pos[None, :] <= q_pos[:, None]
@@ -284,11 +441,6 @@ class MultiHeadAttention(nn.Module):
             in_window = distance < self.window if self.causal else distance.abs() < self.window
             allowed = in_window if allowed is None else allowed & in_window
         if key_padding_mask is not None:
-            if key_padding_mask.dtype != torch.bool or key_padding_mask.shape[-1] != k_len:
-                raise ValueError(
-                    f"key_padding_mask must be a boolean (B, Tk={k_len}) tensor, True for real "
-                    f"tokens; got {key_padding_mask.dtype} of shape {tuple(key_padding_mask.shape)}"
-                )
             padding = key_padding_mask[:, None, None, :]
             allowed = padding if allowed is None else allowed & padding
         if attn_mask is not None and attn_mask.dtype == torch.bool:
@@ -306,14 +458,30 @@ class MultiHeadAttention(nn.Module):
     def _is_plain_causal(self, q_len: int, k_len: int, key_padding_mask, attn_mask) -> bool:
         """True when the mask is plain causality with the queries ending at the last key:
         either all positions (no offset), or one query, the newest, which sees every key (a
-        decoding step). The fused kernel then needs no mask tensor, its fastest case."""
+        decoding step). Keys are always the latest positions, so a window of at least Tk keys
+        hides none of them. The fused kernel then needs no mask tensor, its fastest case."""
         return (
             self.causal
             and (q_len == k_len or q_len == 1)
-            and self.window is None
+            and (self.window is None or k_len <= self.window)
             and self.alibi_slopes is None
             and key_padding_mask is None
             and attn_mask is None
+        )
+
+    def _is_local(
+        self, q_len: int, k_len: int, offset: int, context: Tensor | None, attn_mask
+    ) -> bool:
+        """True when local_attention computes this call: a sliding window over self-attention
+        whose keys are the queries' own positions (no cached past, no caller's mask), at least
+        LOCAL_MIN_WINDOWS windows long. Below that the dense kernel's T² is small, and the local
+        path, with its many small problems, measured no faster on the CPU."""
+        return (
+            self.window is not None
+            and context is None
+            and attn_mask is None
+            and offset == 0
+            and q_len == k_len >= LOCAL_MIN_WINDOWS * self.window
         )
 
     def forward(
@@ -327,12 +495,13 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         query_offset: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
-        q, k, v, offset = self._project(x, context, cache, query_offset)
+        q, k, v, offset, k_pos = self._project(x, context, cache, query_offset)
         q_len, k_len = q.size(-2), k.size(-2)
+        check_key_padding_mask(key_padding_mask, k_len)
         dropout_p = self.attn_dropout if self.training else 0.0
         weights = None
         if need_weights:
-            mask = self._mask(q_len, k_len, offset, key_padding_mask, attn_mask, x.device)
+            mask = self._mask(q_len, k_len, offset, key_padding_mask, attn_mask, x.device, k_pos)
             out, weights = scaled_dot_product_attention(q, k, v, mask, self.scale, dropout_p)
         elif self._is_plain_causal(q_len, k_len, key_padding_mask, attn_mask):
             out = F.scaled_dot_product_attention(
@@ -343,8 +512,20 @@ class MultiHeadAttention(nn.Module):
                 is_causal=q_len > 1,  # one query at the last position sees all keys
                 scale=self.scale,
             )
+        elif self._is_local(q_len, k_len, offset, context, attn_mask):
+            out = local_attention(
+                q,
+                k,
+                v,
+                self.window,
+                causal=self.causal,
+                key_padding_mask=key_padding_mask,
+                alibi_slopes=self.alibi_slopes,
+                scale=self.scale,
+                dropout_p=dropout_p,
+            )
         else:
-            mask = self._mask(q_len, k_len, offset, key_padding_mask, attn_mask, x.device)
+            mask = self._mask(q_len, k_len, offset, key_padding_mask, attn_mask, x.device, k_pos)
             out = F.scaled_dot_product_attention(
                 q,
                 repeat_kv(k, self.n_head),
@@ -366,6 +547,7 @@ class MultiHeadAttention(nn.Module):
         query_offset: int = 0,
     ) -> Tensor:
         """Scaled pre-softmax scores (B, H, Tq, Tk), -inf where masked (saturation diagnostic)."""
-        q, k, _, offset = self._project(x, context, None, query_offset)
+        q, k, _, offset, _ = self._project(x, context, None, query_offset)
+        check_key_padding_mask(key_padding_mask, k.size(-2))
         mask = self._mask(q.size(-2), k.size(-2), offset, key_padding_mask, attn_mask, x.device)
         return attention_scores(q, k, mask, self.scale)

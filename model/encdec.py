@@ -157,8 +157,9 @@ class EncoderDecoder(nn.Module):
     def new_cache(self, source_len: int, max_len: int | None = None) -> DecoderCache:
         """Empty caches for decoding up to max_len target positions from a source of source_len."""
         layers = range(len(self.decoder))
+        window = self.config.attention.window  # self-attention's: cross-attention has none
         return DecoderCache(
-            self_attn=[KVCache(max_len or self.config.max_target_len) for _ in layers],
+            self_attn=[KVCache(max_len or self.config.max_target_len, window) for _ in layers],
             cross_attn=[KVCache(source_len) for _ in layers],
         )
 

@@ -70,8 +70,10 @@ class GPT(nn.Module):
         return total
 
     def new_cache(self, max_len: int | None = None) -> list[KVCache]:
-        """One empty KV cache per layer for incremental decoding."""
-        return [KVCache(max_len or self.config.block_size) for _ in self.blocks]
+        """One empty KV cache per layer for incremental decoding (the last `window` positions
+        only, with a sliding window)."""
+        window = self.config.attention.window
+        return [KVCache(max_len or self.config.block_size, window) for _ in self.blocks]
 
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, cache: list[KVCache] | None = None

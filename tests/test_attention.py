@@ -270,7 +270,8 @@ def test_kv_cache_appends_and_reorders():
     k1, v1 = torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 4)
     k2, v2 = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
     cache.append(k1, v1)
-    keys, values = cache.append(k2, v2)
+    keys, values, positions = cache.append(k2, v2)
+    assert positions is None  # no window: the keys are positions 0..2 in order
     assert torch.equal(keys, torch.cat((k1, k2), dim=-2))
     assert torch.equal(values, torch.cat((v1, v2), dim=-2))
     cache.reorder(torch.tensor([2, 0]))
