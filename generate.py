@@ -1,24 +1,126 @@
-"""Sample text from a trained checkpoint, streamed to stdout.
+"""Sample text from a trained checkpoint or export, streamed to stdout.
 
-    python generate.py ckpt=<run dir or .ckpt> prompt="ROMEO:" max_new_tokens=300 \
+    python generate.py ckpt=<run dir, .ckpt or export> prompt="ROMEO:" max_new_tokens=300 \
         temperature=0.8 top_k=50 top_p=0.95 num_samples=2 seed=1
+    python generate.py ckpt=<...> prompt_file=prompt.txt     # the file's text is the prompt
+    echo "ROMEO:" | python generate.py ckpt=<...> prompt=-    # so is stdin's
+    python generate.py ckpt=<...> interactive=true           # a continuation per line of stdin
+    python generate.py ckpt=<...> attention_plot=attn.png    # and the sample's attention maps
 
 The checkpoint carries the model config and the tokenizer, so it needs nothing else.
 """
 
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import tokenizer_from_dict
-from errors import exit_on_user_error
-from model.checkpoint import find_checkpoint, load_checkpoint
+from errors import USER_ERRORS, check_field_types, exit_on_user_error
+from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
 from model.generation import beam_search, decode_greedy_or_sample, decoding_ids
-from model.sampling import SamplingConfig, encode, stream_samples
+from model.gpt import GPT
+from model.sampling import SEPARATOR, SamplingConfig, encode, stream_samples
+
+if TYPE_CHECKING:  # matplotlib loads when a figure is drawn
+    from matplotlib.figure import Figure
+
+
+@dataclass
+class Inputs:
+    """Where the text comes from, checked before anything loads: prompt= ("-": stdin),
+    prompt_file=, or interactive=true, a prompt per line of stdin; an encoder-decoder reads
+    source= instead, or a source per line."""
+
+    prompt: str | None = None  # null: a newline
+    prompt_file: str | None = None
+    interactive: bool = False
+    source: str | None = None
+    attention_plot: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt, int | float):  # Hydra's reading of prompt=42 or prompt=true
+            raise ValueError(
+                f"prompt={self.prompt!r} is not text: Hydra reads numbers and true/false as "
+                "such; quote the prompt, e.g. 'prompt=\"42\"', or use prompt_file="
+            )
+        check_field_types(self, "")
+        if self.prompt is not None and self.prompt_file is not None:
+            raise ValueError(
+                f"prompt={self.prompt!r} and prompt_file={self.prompt_file} both give the "
+                "prompt: keep one"
+            )
+        if not self.interactive:
+            return
+        for key in ("prompt", "prompt_file", "source"):
+            if getattr(self, key) is not None:
+                raise ValueError(
+                    f"interactive=true reads its input from stdin, one a line: drop "
+                    f"{key}={getattr(self, key)!r}"
+                )
+        if self.attention_plot is not None:
+            raise ValueError(
+                f"attention_plot={self.attention_plot} draws one prompt's attention and "
+                "interactive=true reads many: drop one of them"
+            )
+
+    def prompt_text(self) -> str:
+        """The prompt given, stdin's text for prompt=-, or the file's, exactly (a final newline
+        included); a newline when none is given."""
+        if self.prompt_file is not None:
+            path = Path(self.prompt_file).expanduser()
+            if not path.is_file():
+                raise FileNotFoundError(f"prompt_file={self.prompt_file}: no file at {path}")
+            try:
+                text, key = path.read_text(encoding="utf-8"), "prompt_file"
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"prompt_file={self.prompt_file} is not UTF-8 text ({error.reason}): save "
+                    "it as UTF-8"
+                ) from None
+        elif self.prompt == "-":
+            text, key = sys.stdin.read(), "prompt=- (stdin)"
+        else:
+            return "\n" if self.prompt is None else self.prompt
+        if not text:
+            raise ValueError(f"{key} gave an empty prompt: give at least one character")
+        return text
+
+    def check_model(self, model: GPT | EncoderDecoder, path: Path) -> None:
+        """The inputs of a GPT are prompts, an encoder-decoder's sources."""
+        if not isinstance(model, EncoderDecoder):
+            if self.source is not None:
+                raise ValueError(
+                    f'{path} is a GPT: continue a prompt="..." (source= is for '
+                    "encoder-decoder checkpoints)"
+                )
+        elif self.prompt is not None or self.prompt_file is not None:
+            raise ValueError(
+                f'{path} is an encoder-decoder: give its input as source="..." (prompt= and '
+                "prompt_file= are for GPT checkpoints)"
+            )
+        elif self.source is None and not self.interactive:
+            raise ValueError(
+                f'{path} is an encoder-decoder: give the input as source="..." (or one a '
+                "line on stdin with interactive=true)"
+            )
+
+
+def stdin_lines() -> Iterator[str]:
+    """Lines of stdin as they come, without their newline; on a terminal "> " asks for each."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        yield line.removesuffix("\n")
 
 
 def translate(
@@ -63,6 +165,25 @@ def translate(
     return outputs
 
 
+def continue_prompt(
+    model: GPT, tokenizer, config: SamplingConfig, device: torch.device
+) -> list[list[int]]:
+    """Stream num_samples continuations of the prompt; plot the first one's attention."""
+    outputs = stream_samples(model, tokenizer, config, device)
+    if config.attention_plot:
+        prompt = encode(tokenizer, config.prompt, "prompt")
+        ids = (prompt + outputs[0])[-model.config.block_size :]  # what the model can read
+        from model.inspect import self_attention_figure  # matplotlib: only when plotting
+
+        boundary = max(0, len(ids) - len(outputs[0]))  # the first generated token
+        title = f"self-attention: prompt ({len(prompt)} tokens), continuation ({len(outputs[0])})"
+        figure = self_attention_figure(
+            model, torch.tensor(ids, device=device), token_labels(tokenizer, ids), title, boundary
+        )
+        save_figure(figure, config.attention_plot, "attention map")
+    return outputs
+
+
 def save_cross_attention(
     model: EncoderDecoder, tokenizer, source_ids: list[int], output: list[int], path: str
 ) -> None:
@@ -75,46 +196,65 @@ def save_cross_attention(
 
     records = record_attention(model, lambda: model(source, target))
     cross = [r for r in records if r.name.endswith("cross_attn")]
+    labels = token_labels(tokenizer, target_in), token_labels(tokenizer, source_ids)
+    save_figure(plot_heads(cross, *labels, "cross-attention"), path, "cross-attention map")
 
-    def labels(ids: list[int]) -> list[str]:
-        return [tokenizer.decode([i], skip_special=False) for i in ids]
 
-    figure = plot_heads(cross, labels(target_in), labels(source_ids), "cross-attention")
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    return [tokenizer.decode([i], skip_special=False) for i in ids]
+
+
+def save_figure(figure: "Figure", path: str, what: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
-    print(f"cross-attention map saved to {path}", file=sys.stderr)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
-        raise ValueError(f"device={name!r} is not available here: use auto, cpu or cuda")
-    return torch.device(name)
+    print(f"{what} saved to {path}", file=sys.stderr)
 
 
 def run(cfg: DictConfig) -> None:
     options = OmegaConf.to_container(cfg, resolve=True)
     ckpt, device = options.pop("ckpt"), pick_device(options.pop("device"))
+    inputs = Inputs(
+        **{key: options.pop(key) for key in ("prompt", "prompt_file", "interactive")},
+        source=options["source"],
+        attention_plot=options["attention_plot"],
+    )
     config = SamplingConfig(**options)  # bad options fail before anything is loaded
+    if not inputs.interactive:
+        config = replace(config, prompt=inputs.prompt_text())
     checkpoint_path = find_checkpoint(ckpt, "best", "ckpt")
     model, hparams = load_checkpoint(checkpoint_path)
+    inputs.check_model(model, checkpoint_path)
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])
     model = model.to(device)
     torch.manual_seed(config.seed)
-    if isinstance(model, EncoderDecoder):
-        if config.source is None:
-            raise ValueError(
-                f'{checkpoint_path} is an encoder-decoder: give the input as source="..."'
-            )
-        translate(model, tokenizer, config, device)
-    else:
-        if config.source is not None or config.attention_plot:
-            raise ValueError(
-                f'{checkpoint_path} is a GPT: continue a prompt="..." (source= and '
-                "attention_plot= are for encoder-decoder checkpoints)"
-            )
-        stream_samples(model, tokenizer, config, device)
+    respond, field = (
+        (translate, "source") if isinstance(model, EncoderDecoder) else (continue_prompt, "prompt")
+    )
+    if not inputs.interactive:
+        respond(model, tokenizer, config, device)
+        return
+
+    def answer(line: str) -> None:
+        respond(model, tokenizer, replace(config, **{field: line}), device)
+
+    if not answer_each_line(answer):
+        sys.exit(1)
+
+
+def answer_each_line(answer: Callable[[str], None]) -> bool:
+    """answer() each line of stdin (an empty one as a newline), a separator between answers,
+    until EOF. A line that fails (say, with a character the tokenizer lacks) gets its one-line
+    error and the next line its answer; returns whether every line succeeded."""
+    succeeded = True
+    for index, line in enumerate(stdin_lines()):
+        if index:
+            print("\n" + SEPARATOR, flush=True)
+        try:
+            answer(line or "\n")
+        except USER_ERRORS as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            succeeded = False
+    return succeeded
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")

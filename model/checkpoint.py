@@ -1,15 +1,25 @@
-"""A trained network and its tokenizer's record from a checkpoint file, loaded safely, without
-the training stack: what generate.py (and anything else that only runs a model) needs."""
+"""A trained network and its tokenizer's record from a checkpoint file or an export directory,
+loaded safely, without the training stack: what generate.py (and anything else that only runs a
+model) needs.
 
+An export (export.py) is a directory of `config.json`, whose "tinyformer" entry holds what a
+checkpoint's hyper-parameters hold (kind, model config, tokenizer record, run config) and the
+weights' layout ("safetensors": ours; "hf": Hugging Face GPT-2's), `model.safetensors` and the
+tokenizer's files, which other tools read."""
+
+import json
 import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model
 
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.gpt import GPT, GPTConfig
+from model.hf_gpt2 import from_gpt2
 
 # The networks by the kind name a checkpoint records: (config class, network class).
 MODELS = {"gpt": (GPTConfig, GPT), "encdec": (EncDecConfig, EncoderDecoder)}
@@ -50,13 +60,32 @@ def model_state(state: dict) -> dict:
     }
 
 
+# An export directory's two files that make it one; the tokenizer's files lie beside them.
+EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
+# What config.json's "tinyformer" entry always holds (and may hold run_config, exported_from).
+EXPORT_KEYS = {"format", "kind", "model", "tokenizer"}
+
+
+def is_export(path: Path) -> bool:
+    """Whether `path` is an export directory (config.json and model.safetensors)."""
+    return (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file()
+
+
 def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
-    """The checkpoint file that `given` (the value of the command's option `key`) names, by one
-    rule: a file is itself; a run directory, or its checkpoints/ folder, gives its `which`
-    checkpoint. "last" is last.ckpt, where a run continues (train.py ckpt_path=); "best" is the
-    newest best*.ckpt, else last.ckpt, what a trained model is used from (generate.py ckpt=)."""
+    """The checkpoint that `given` (the value of the command's option `key`) names, by one rule:
+    a file is itself; an export directory is itself; a run directory, or its checkpoints/
+    folder, gives its `which` checkpoint. "last" is last.ckpt, where a run continues (train.py
+    ckpt_path=), which an export cannot do: it holds no training state; "best" is the newest
+    best*.ckpt, else last.ckpt, what a trained model is used from (generate.py ckpt=)."""
     path = Path(given).expanduser()
     if path.is_file():
+        return path
+    if is_export(path):
+        if which == "last":
+            raise ValueError(
+                f"{key}={given} is an export, which holds the weights only: continue from the "
+                "run directory it was exported from"
+            )
         return path
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     candidates = [folder / "last.ckpt"]
@@ -69,13 +98,17 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
     missing = f"no {which} checkpoint in {folder}" if path.is_dir() else f"no checkpoint at {path}"
     raise FileNotFoundError(
         f"{key}={given}: {missing}; give the directory of a run that saved checkpoints (runs "
-        "live under outputs/) or a .ckpt file"
+        "live under outputs/) or a .ckpt file, or an export's directory"
     )
 
 
 def load_checkpoint(path: Path) -> tuple[GPT | EncoderDecoder, dict]:
-    """(model in eval mode, hyper_parameters) from a training checkpoint; the hyper-parameters
-    hold the tokenizer's record under "tokenizer" and the run's config under "run_config"."""
+    """(model in eval mode, hyper_parameters) from a training checkpoint or an export directory
+    (what find_checkpoint returns); the hyper-parameters hold the model's kind under "kind", its
+    config under "model", the tokenizer's record under "tokenizer" and the run's config under
+    "run_config"."""
+    if path.is_dir():
+        return load_export(path)
     checkpoint = load_safely(path)
     try:
         if not isinstance(checkpoint, dict):
@@ -91,3 +124,48 @@ def load_checkpoint(path: Path) -> tuple[GPT | EncoderDecoder, dict]:
         ) from error
     model.load_state_dict(model_state(state))
     return model.eval(), hparams
+
+
+def export_record(folder: Path) -> dict:
+    """The "tinyformer" entry of an export's config.json: format, kind, model, tokenizer,
+    run_config and exported_from."""
+    config_file = folder / EXPORT_CONFIG
+    try:
+        record = json.loads(config_file.read_text(encoding="utf-8"))["tinyformer"]
+        if not isinstance(record, dict) or not EXPORT_KEYS <= record.keys():
+            raise KeyError(f"tinyformer needs the keys {sorted(EXPORT_KEYS)}")
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{config_file} is not a tinyformer export's config ({type(error).__name__}: "
+            f"{error}); point ckpt= at a directory written by export.py"
+        ) from None
+    return record
+
+
+def load_export(folder: Path) -> tuple[GPT | EncoderDecoder, dict]:
+    """(model in eval mode, its record) from an export directory; the record has the keys of a
+    checkpoint's hyper-parameters that load_checkpoint names."""
+    record = export_record(folder)
+    model = build_model(record["kind"], record["model"])
+    weights_file = folder / EXPORT_WEIGHTS
+    try:
+        if record["format"] == "hf":
+            model.load_state_dict(from_gpt2(load_file(weights_file), model))
+        else:  # safetensors stores a tied tensor once; load_model ties it again
+            load_model(model, weights_file)
+    except (SafetensorError, RuntimeError, KeyError) as error:
+        details = " ".join(str(error).split())[:300]  # load_state_dict's list, on one line
+        raise ValueError(
+            f"{weights_file} does not hold the weights of {folder / EXPORT_CONFIG}'s model "
+            f"({type(error).__name__}: {details}); export it again"
+        ) from None
+    return model.eval(), record
+
+
+def pick_device(name: str) -> torch.device:
+    """The device= option of the commands that run a trained model: auto, cpu or cuda."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"device={name!r} is not available here: use auto, cpu or cuda")
+    return torch.device(name)

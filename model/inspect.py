@@ -86,8 +86,10 @@ def plot_heads(
     query_labels: list[str] | None,
     key_labels: list[str] | None,
     title: str,
+    boundary: int | None = None,
 ) -> "Figure":
-    """One heatmap per head, a row per record; queries on the y axis, keys on the x axis."""
+    """One heatmap per head, a row per record; queries on the y axis, keys on the x axis.
+    `boundary`: a line before that query and key, e.g. where a prompt ends."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -112,6 +114,9 @@ def plot_heads(
             axes = figure.add_subplot(rows, cols, row * cols + head + 1)
             weights = record.weights[head].cpu().numpy()
             axes.imshow(weights, cmap="viridis", vmin=0.0, aspect="auto")
+            if boundary:
+                axes.axhline(boundary - 0.5, color="white", linewidth=0.6)
+                axes.axvline(boundary - 0.5, color="white", linewidth=0.6)
             name = f"{record.name} " if rows > 1 else ""
             axes.set_title(f"{name}head {head}  H={entropy[head]:.2f}", fontsize=8)
             # Tokens label the first head of each row only: every head of a row has the same
@@ -127,6 +132,21 @@ def plot_heads(
                 set_labels([token_label(t) for t in labels], fontsize=5, fontfamily="monospace")
     figure.suptitle(title, fontsize=10)
     return figure
+
+
+# Token labels on a map's axes up to this many tokens: more would overlap.
+MAX_LABELLED_TOKENS = 64
+
+
+def self_attention_figure(
+    model: nn.Module, ids: Tensor, labels: list[str], title: str, boundary: int | None = None
+) -> "Figure":
+    """Every self-attention map of one forward pass of `ids` (T,) through a GPT: a row per
+    layer, a panel per head, `labels` (one per token) on the axes when there are at most
+    MAX_LABELLED_TOKENS, and a line before token `boundary` (e.g. the first generated one)."""
+    records = record_attention(model, lambda: model(ids[None]))
+    shown = labels if len(labels) <= MAX_LABELLED_TOKENS else None
+    return plot_heads(records, shown, shown, title, boundary)
 
 
 def figure_to_array(figure: "Figure") -> np.ndarray:

@@ -9,6 +9,8 @@ from errors import check, check_field_types, check_int
 from model.generation import generate
 from model.gpt import GPT
 
+SEPARATOR = "-" * 40  # the line between two samples
+
 
 @dataclass
 class SamplingConfig:
@@ -27,7 +29,7 @@ class SamplingConfig:
     num_samples: int = 1
     seed: int = 1
     use_cache: bool = True
-    attention_plot: str | None = None  # encoder-decoder: PNG of the decode's cross-attention
+    attention_plot: str | None = None  # PNG of the attention: GPT self-, encoder-decoder cross-
 
     def __post_init__(self) -> None:
         check_field_types(self, "")
@@ -65,15 +67,18 @@ def encode(tokenizer, text: str, key: str) -> list[int]:
         raise ValueError(f"{key}={text!r}: {error}") from None
 
 
-def stream_samples(model: GPT, tokenizer, config: SamplingConfig, device: torch.device) -> None:
-    """Print num_samples continuations of the prompt, token by token."""
+def stream_samples(
+    model: GPT, tokenizer, config: SamplingConfig, device: torch.device
+) -> list[list[int]]:
+    """Print num_samples continuations of the prompt, token by token; return their ids."""
     if config.decoding == "beam":
         raise ValueError("decoding=beam is for encoder-decoder checkpoints: use sample or greedy")
     prompt = torch.tensor([encode(tokenizer, config.prompt, "prompt")], device=device)
     generator = torch.Generator(device=device).manual_seed(config.seed)
+    samples = []
     for index in range(config.num_samples):
         if index:
-            print("\n" + "-" * 40)
+            print("\n" + SEPARATOR)
         print(config.prompt, end="", flush=True)
         tokens = generate(
             model,
@@ -93,3 +98,5 @@ def stream_samples(model: GPT, tokenizer, config: SamplingConfig, device: torch.
                 print(text[len(shown) :], end="", flush=True)
                 shown = text
         print(tokenizer.decode(ids)[len(shown) :])
+        samples.append(ids)
+    return samples

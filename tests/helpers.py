@@ -128,6 +128,20 @@ def tiny_encdec(
     return EncoderDecoder(EncDecConfig(vocab_size=vocab_size, **values)).eval()
 
 
+def save_checkpoint(model: GPT | EncoderDecoder, tokenizer, path: Path) -> Path:
+    """`model` and `tokenizer` saved at `path` in train.py's checkpoint layout (hyper-parameters
+    and the LightningModule's state dict), for the commands that read one; returns `path`."""
+    hparams = {
+        "kind": "encdec" if isinstance(model, EncoderDecoder) else "gpt",
+        "model": model.config.to_dict(),
+        "tokenizer": tokenizer.to_dict(),
+        "run_config": {"seed": 0},
+    }
+    state = {f"model.{key}": value for key, value in model.state_dict().items()}
+    torch.save({"hyper_parameters": hparams, "state_dict": state}, path)
+    return path
+
+
 @torch.no_grad()
 def sharpened(model: torch.nn.Module, factor: float = 4.0) -> torch.nn.Module:
     """`model` with every weight matrix scaled by `factor`, in place: peakier attention and
@@ -166,14 +180,16 @@ def default_signals() -> None:
 
 
 def run_script(
-    script: str, *arguments: str, cache_dir: Path, env: dict | None = None
+    script: str, *arguments: str, cache_dir: Path, env: dict | None = None, stdin: str = ""
 ) -> subprocess.CompletedProcess:
-    """Run one of the project's commands (train.py, generate.py, report.py) from the root."""
+    """Run one of the project's commands (train.py, generate.py, export.py, report.py) from the
+    root, with `stdin` piped in (nothing by default: a command never waits for a terminal)."""
     return subprocess.run(
         [sys.executable, str(ROOT / script), *arguments],
         cwd=ROOT,
         env=clean_env(cache_dir, **(env or {})),
         preexec_fn=default_signals,
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=600,
@@ -216,3 +232,16 @@ def fault(name: str, **options) -> list[str]:
 def run_training(cache_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     """train.py with tests/ on its path, so that overrides can add faults.py's callbacks."""
     return run_script("train.py", *overrides, cache_dir=cache_dir, env={"PYTHONPATH": "tests"})
+
+
+def write_hub_dataset(folder: Path, splits: dict[str, list[str]]) -> Path:
+    """A dataset laid out as a Hub dataset repository, <folder>/data/<split>-00000-of-00001.parquet
+    with a "text" column: `datasets.load_dataset(<folder>)` (and so data=hub data.name=<folder>)
+    finds its splits by the files' names, without the network."""
+    import datasets  # 0.6 s: only for the tests that write one
+
+    (folder / "data").mkdir(parents=True)
+    for split, rows in splits.items():
+        path = folder / "data" / f"{split}-00000-of-00001.parquet"
+        datasets.Dataset.from_dict({"text": rows}).to_parquet(str(path))
+    return folder

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from export import ExportOptions, export
 from helpers import run_script
 
 # (id, script, overrides, what the message says). {tmp} is this module's folder of inputs,
@@ -93,6 +94,24 @@ CASES = [
      "error: {tmp}/foreign.ckpt is not a tinyformer checkpoint (TypeError: a Tensor, not a dict)"),
     ("generate_truncated_checkpoint", "generate.py", ["ckpt={tmp}/truncated.ckpt"],
      "error: {tmp}/truncated.ckpt is not a readable tinyformer checkpoint"),
+    ("prompt_and_prompt_file", "generate.py",
+     ["ckpt={run}", "prompt=ROMEO:", "prompt_file={tmp}/prompt.txt"],
+     "error: prompt='ROMEO:' and prompt_file={tmp}/prompt.txt both give the prompt: keep one"),
+    ("missing_prompt_file", "generate.py", ["ckpt={run}", "prompt_file={tmp}/nope.txt"],
+     "error: prompt_file={tmp}/nope.txt: no file at {tmp}/nope.txt"),
+    ("interactive_with_source", "generate.py", ["ckpt={run}", "interactive=true", "source=hi"],
+     "error: interactive=true reads its input from stdin, one a line: drop source='hi'"),
+    ("export_unknown_format", "export.py", ["ckpt={run}", "out={tmp}/export", "format=onnx"],
+     "error: format='onnx' is not one of safetensors, hf"),
+    ("export_without_out", "export.py", ["ckpt={run}"],
+     "error: give out=: python export.py ckpt=<run dir, .ckpt or export> out=<new directory>"),
+    ("export_into_other_files", "export.py", ["ckpt={run}", "out={tmp}"],
+     "error: out={tmp} is not empty and holds no earlier export: give a new directory, or add "
+     "overwrite=true"),
+    ("export_into_its_run", "export.py", ["ckpt={run}", "out={run}", "overwrite=true"],
+     "error: out={run} holds the checkpoint it exports"),
+    ("resume_from_an_export", "train.py", ["ckpt_path={tmp}/export_of_run"],
+     "error: ckpt_path={tmp}/export_of_run is an export, which holds the weights only"),
 ]  # fmt: skip
 
 
@@ -115,6 +134,8 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     torch.save(torch.ones(3), tmp / "foreign.ckpt")
     last = (trained_run / "checkpoints" / "last.ckpt").read_bytes()
     (tmp / "truncated.ckpt").write_bytes(last[: len(last) // 2])
+    (tmp / "prompt.txt").write_text("ROMEO:")
+    export(ExportOptions(ckpt=str(trained_run), out=str(tmp / "export_of_run")))
     return {"tmp": tmp, "run": trained_run, "cache": shared_cache}
 
 

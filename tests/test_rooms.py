@@ -1,7 +1,8 @@
-"""The house's doors run one way: train.py -> training/ -> model/ and data/; generate.py ->
-model/ and the tokenizer. model/ is plain PyTorch, model/ and data/ never import each other,
-and no room imports an entry point. Checked in a fresh interpreter, where nothing else has
-imported anything yet. (errors.py, plain Python, is shared by every room.)"""
+"""The house's doors run one way: train.py -> training/ -> model/ and data/; generate.py and
+export.py -> model/ and the tokenizer; evaluate.py -> model/ and data/'s plain modules. model/
+is plain PyTorch, model/ and data/ never import each other, and no room imports an entry point.
+Checked in a fresh interpreter, where nothing else has imported anything yet. (errors.py, plain
+Python, is shared by every room.)"""
 
 import subprocess
 import sys
@@ -22,7 +23,7 @@ TRAINING_STACK = (
 )
 
 
-ENTRY_POINTS = {"train", "generate", "report"}
+ENTRY_POINTS = {"train", "generate", "export", "evaluate", "report"}
 
 
 def room_modules(room: str) -> list[str]:
@@ -56,7 +57,16 @@ def test_training_imports_no_entry_point():
     assert not loaded_after(code) & ENTRY_POINTS
 
 
-def test_generate_loads_the_model_and_tokenizer_only():
-    loaded = loaded_after("import generate")
+@pytest.mark.parametrize("entry_point", ["generate", "export"])
+def test_generate_and_export_load_the_model_and_tokenizer_only(entry_point):
+    loaded = loaded_after(f"import {entry_point}")
     assert not loaded & {"lightning", "pytorch_lightning", "wandb", "datasets", "training"}
     assert {name for name in loaded if name.startswith("data.")} == {"data.tokenizer"}
+
+
+def test_evaluate_loads_neither_lightning_nor_wandb():
+    """It scores a checkpoint with plain PyTorch and data's plain modules, not the DataModules;
+    `datasets` loads only when it reads text."""
+    loaded = loaded_after("import evaluate")
+    assert not loaded & {"lightning", "pytorch_lightning", "wandb", "datasets", "training"}
+    assert not loaded & {"data.lm", "data.seq2seq", "data.cache"}

@@ -1,0 +1,124 @@
+"""Our GPT as Hugging Face's GPT-2 (`transformers.GPT2LMHeadModel`): which of our settings GPT-2
+can compute exactly, its config, and the weights in its layout and back. Plain PyTorch: export.py
+hands these to transformers, and model/checkpoint.py reads such an export without it.
+
+GPT-2's block is ours: pre-LayerNorm (eps 1e-5), learned positions, biases, an MLP of
+n_inner = mlp_ratio * n_embd, a head tied to the token embedding. Where it differs it is set to
+match: exact (erf) GELU, "gelu" rather than GPT-2's tanh approximation; no scaling of QKᵀ for our
+scale=1.0. A model without biases exports with zero biases, which compute the same. Its Conv1D
+layers hold their weights as (in, out), the transpose of nn.Linear's, and one c_attn holds the
+query, key and value projections side by side.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from model.gpt import GPT
+
+
+def gpt2_obstacle(model: nn.Module) -> str | None:
+    """Why GPT-2 cannot compute `model` exactly: "needs <setting>=<value>, this checkpoint has
+    <value>"; None when it can."""
+    if not isinstance(model, GPT):
+        return "needs a GPT (model=gpt), this checkpoint is an encoder-decoder"
+    config, attention = model.config, model.config.attention
+    head_dim = config.n_embd // attention.n_head
+    if config.position != "learned":
+        return f"needs model.position=learned, this checkpoint has {config.position}"
+    if attention.kv_heads != attention.n_head:
+        return (
+            f"needs model.attention.n_kv_head=null (a key/value head per query head), this "
+            f"checkpoint has {attention.n_kv_head}"
+        )
+    if attention.window is not None:
+        return f"needs model.attention.window=null, this checkpoint has {attention.window}"
+    scale = attention.scale_for(head_dim)
+    if not (math.isclose(scale, head_dim**-0.5) or scale == 1.0):
+        return (
+            f"needs model.attention.scale=1/sqrt_dk or 1.0, this checkpoint has "
+            f"{attention.scale} (= {scale:.4g} for d_k={head_dim})"
+        )
+    return None
+
+
+def gpt2_config(model: GPT, vocab_size: int) -> dict:
+    """The `transformers.GPT2Config` arguments for `model` with its first `vocab_size` tokens."""
+    config = model.config
+    head_dim = config.n_embd // config.attention.n_head
+    return {
+        "vocab_size": vocab_size,
+        "n_positions": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.attention.n_head,
+        "n_inner": config.mlp_ratio * config.n_embd,
+        "activation_function": "gelu",  # exact GELU, as nn.functional.gelu
+        "layer_norm_epsilon": model.ln_f.eps,
+        "scale_attn_weights": config.attention.scale_for(head_dim) != 1.0,  # 1/sqrt(d_k), or 1
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.attention.dropout,
+        "tie_word_embeddings": True,
+    }
+
+
+def _layout(n_layer: int) -> list[tuple[tuple[str, ...], str, bool]]:
+    """(our names, GPT-2's name, transposed): ours are joined along the output axis into theirs,
+    and transposed for a Conv1D weight."""
+    pairs = [
+        (("tok_emb.weight",), "transformer.wte.weight", False),
+        (("pos_emb.weight",), "transformer.wpe.weight", False),
+        (("ln_f.weight",), "transformer.ln_f.weight", False),
+        (("ln_f.bias",), "transformer.ln_f.bias", False),
+    ]
+    for i in range(n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        for kind in ("weight", "bias"):
+            linear = kind == "weight"
+            qkv = tuple(f"{ours}attn.{name}_proj.{kind}" for name in "qkv")
+            pairs += [
+                ((f"{ours}ln_1.{kind}",), f"{theirs}ln_1.{kind}", False),
+                ((f"{ours}ln_2.{kind}",), f"{theirs}ln_2.{kind}", False),
+                (qkv, f"{theirs}attn.c_attn.{kind}", linear),
+                ((f"{ours}attn.out_proj.{kind}",), f"{theirs}attn.c_proj.{kind}", linear),
+                ((f"{ours}mlp.fc.{kind}",), f"{theirs}mlp.c_fc.{kind}", linear),
+                ((f"{ours}mlp.proj.{kind}",), f"{theirs}mlp.c_proj.{kind}", linear),
+            ]
+    return pairs
+
+
+@torch.no_grad()
+def to_gpt2(model: GPT, vocab_size: int) -> dict[str, Tensor]:
+    """`model`'s weights as GPT2LMHeadModel's state dict, cut to the first `vocab_size` tokens:
+    the rows that pad a vocabulary are never sampled, and every logit of a real token stays."""
+    state = model.state_dict()
+
+    def ours(name: str) -> Tensor:
+        if name in state:
+            return state[name]
+        # No bias (model.bias=false): a zero bias computes the same.
+        return torch.zeros(state[name.removesuffix("bias") + "weight"].size(0))
+
+    weights = {}
+    for names, theirs, transposed in _layout(model.config.n_layer):
+        joined = torch.cat([ours(name) for name in names])
+        weights[theirs] = (joined.T if transposed else joined).contiguous()
+    weights["transformer.wte.weight"] = weights["transformer.wte.weight"][:vocab_size]
+    weights["lm_head.weight"] = weights["transformer.wte.weight"]  # tied, as ours
+    return weights
+
+
+def from_gpt2(weights: dict[str, Tensor], model: GPT) -> dict[str, Tensor]:
+    """GPT2LMHeadModel's weights (its head tied, so maybe absent) as `model`'s state dict; the
+    inverse of to_gpt2 for a model of the vocabulary it was cut to."""
+    expected = model.state_dict().keys()
+    state = {}
+    for names, theirs, transposed in _layout(model.config.n_layer):
+        joined = weights[theirs].T if transposed else weights[theirs]
+        for name, part in zip(names, joined.chunk(len(names)), strict=True):
+            if name in expected:  # a model without biases exported zeros for them
+                state[name] = part.contiguous()
+    state["lm_head.weight"] = state["tok_emb.weight"]
+    return state

@@ -1,0 +1,265 @@
+"""export.py: a checkpoint as plain files that tinyformer loads without the training stack and,
+with format=hf, that transformers loads as a GPT-2 computing the same logits; and an export
+never loses a file it was not asked to replace."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from export import ExportOptions, export
+from helpers import run_script, save_checkpoint, sharpened, tiny_encdec, tiny_gpt
+from model.attention import AttentionConfig
+from model.checkpoint import find_checkpoint, load_checkpoint
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+CHARS = CharTokenizer.from_text(TEXT)
+
+
+def checkpoint_of(model, tmp_path: Path, tokenizer=CHARS) -> Path:
+    return save_checkpoint(sharpened(model), tokenizer, tmp_path / "model.ckpt")
+
+
+def exported(checkpoint: Path, out: Path, **options) -> Path:
+    export(ExportOptions(ckpt=str(checkpoint), out=str(out), **options))
+    return out
+
+
+def load(path: Path):
+    return load_checkpoint(find_checkpoint(path, "best", "ckpt"))
+
+
+def ties(model: torch.nn.Module) -> set[tuple[str, ...]]:
+    """The names of each tensor of the model's state dict: two or more where tied."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        names.setdefault(tensor.data_ptr(), []).append(name)
+    return {tuple(group) for group in names.values()}
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids)[0]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "encdec"])
+def test_safetensors_export_loads_the_same_weights_ties_and_hparams(tmp_path, kind):
+    model = tiny_gpt(CHARS.vocab_size) if kind == "gpt" else tiny_encdec(CHARS.vocab_size)
+    checkpoint = checkpoint_of(model, tmp_path)
+    out = exported(checkpoint, tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tinyformer_tokenizer.json",
+        "tokenizer.json",
+    ]
+    loaded, hparams = load(out)
+    original, original_hparams = load_checkpoint(checkpoint)
+    assert type(loaded) is type(original)
+    for key in ("kind", "model", "tokenizer", "run_config"):
+        assert hparams[key] == original_hparams[key], key
+    assert hparams["exported_from"] == str(checkpoint.resolve())
+    assert loaded.state_dict().keys() == original.state_dict().keys()
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    # Tied tensors (the head and the embeddings) are stored once and tied again on load.
+    assert ties(loaded) == ties(original) and len(ties(original)) < len(original.state_dict())
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        assert len(list(weights.keys())) == len(ties(original))
+    # The tokenizer files are a run directory's: our loader and the library read them.
+    assert load_tokenizer(out / "tokenizer.json").encode(TEXT) == CHARS.encode(TEXT)
+
+
+def test_a_damaged_export_is_one_error_naming_its_file(tmp_path):
+    out = exported(checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path), tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    config["tinyformer"]["model"]["n_layer"] = 3  # the weights hold 2 layers
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model.safetensors does not hold the weights of .*"):
+        load(out)
+    (out / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match=r"config.json is not a tinyformer export's config"):
+        load(out)
+
+
+def test_an_export_cannot_be_resumed_from(tmp_path):
+    out = exported(checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path), tmp_path / "export")
+    with pytest.raises(ValueError, match="is an export, which holds the weights only"):
+        find_checkpoint(out, "last", "ckpt_path")
+
+
+# GPTs whose every setting GPT-2 has: its defaults, no biases, no scaling of QKᵀ, a padded
+# vocabulary (cut to the tokenizer's), a wider MLP.
+EXPRESSIBLE = {
+    "default": {},
+    "no_bias": {"bias": False},
+    "unscaled": {"attention": AttentionConfig(n_head=4, scale=1.0)},
+    "padded_vocabulary": {"vocab_size": 64},
+    "mlp_ratio_2": {"mlp_ratio": 2, "n_layer": 3},
+}
+
+
+@pytest.mark.parametrize("options", EXPRESSIBLE.values(), ids=EXPRESSIBLE.keys())
+def test_hf_export_computes_our_logits_in_transformers_and_back_in_tinyformer(tmp_path, options):
+    transformers = pytest.importorskip("transformers")
+    options = {"vocab_size": CHARS.vocab_size, **options}
+    model = tiny_gpt(options.pop("vocab_size"), **options)
+    out = exported(checkpoint_of(model, tmp_path), tmp_path / "hf", format="hf")
+    ids = torch.tensor([CHARS.encode(TEXT[: model.config.block_size])])
+    ours = logits(model, ids)[..., : CHARS.vocab_size]
+
+    gpt2 = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(gpt2).__name__ == "GPT2LMHeadModel"
+    assert ours.abs().max() > 1.0  # logits large enough for a mapping error to show
+    torch.testing.assert_close(logits(gpt2, ids), ours, atol=1e-4, rtol=0)
+    reloaded, hparams = load(out)  # tinyformer reads GPT-2's layout back
+    assert hparams["model"]["vocab_size"] == CHARS.vocab_size
+    torch.testing.assert_close(logits(reloaded, ids), ours, atol=1e-5, rtol=0)
+
+
+def test_hf_export_samples_through_transformers_generate_as_our_model_would(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_gpt(CHARS.vocab_size, block_size=32)
+    out = exported(checkpoint_of(model, tmp_path), tmp_path / "hf", format="hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    gpt2 = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = "All:\nSpeak, speak"  # commas and newlines encode as ours do
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids.tolist() == [CHARS.encode(prompt)]
+    with torch.no_grad():
+        generated = gpt2.generate(ids, max_new_tokens=12, do_sample=False)[0]
+    assert generated.size(0) == ids.size(1) + 12
+    text = tokenizer.decode(generated)
+    assert text.startswith(prompt) and len(text) == len(prompt) + 12
+    # Each greedy token is our model's most likely one, within float noise of a near tie.
+    for end in range(ids.size(1), generated.size(0)):
+        step = logits(model, generated[None, :end])[0, -1]
+        assert step[generated[end]] >= step.max() - 1e-4
+
+
+def test_hf_export_of_a_bpe_gpt_keeps_its_special_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    bpe = BPETokenizer.train(TEXT * 4, vocab_size=300, specials=specials)
+    model = tiny_gpt(bpe.vocab_size)
+    out = exported(checkpoint_of(model, tmp_path, bpe), tmp_path / "hf", format="hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer("Speak, speak.").input_ids == bpe.encode("Speak, speak.")  # no BOS added
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == tuple(specials[:3])
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
+
+
+# What GPT-2 cannot compute, and the line that says so.
+NOT_GPT2 = {
+    "rope": ({"position": "rope"}, "needs model.position=learned, this checkpoint has rope"),
+    "alibi": ({"position": "alibi"}, "needs model.position=learned, this checkpoint has alibi"),
+    "none": ({"position": "none"}, "needs model.position=learned, this checkpoint has none"),
+    "sinusoidal": (
+        {"position": "sinusoidal"},
+        "needs model.position=learned, this checkpoint has sinusoidal",
+    ),
+    "gqa": (
+        {"n_kv_head": 2},
+        "needs model.attention.n_kv_head=null (a key/value head per query head), this "
+        "checkpoint has 2",
+    ),
+    "window": ({"window": 4}, "needs model.attention.window=null, this checkpoint has 4"),
+    "scale": (
+        {"attention": AttentionConfig(n_head=4, scale="1/dk")},
+        "needs model.attention.scale=1/sqrt_dk or 1.0, this checkpoint has 1/dk (= 0.125 for "
+        "d_k=8)",
+    ),
+    "encdec": (None, "needs a GPT (model=gpt), this checkpoint is an encoder-decoder"),
+}
+
+
+@pytest.mark.parametrize(("options", "reason"), NOT_GPT2.values(), ids=NOT_GPT2.keys())
+def test_hf_export_refuses_what_gpt2_cannot_compute_and_writes_nothing(tmp_path, options, reason):
+    vocab = CHARS.vocab_size
+    model = tiny_encdec(vocab) if options is None else tiny_gpt(vocab, **options)
+    checkpoint = checkpoint_of(model, tmp_path)
+    with pytest.raises(ValueError) as refused:
+        exported(checkpoint, tmp_path / "hf", format="hf")
+    assert str(refused.value) == (
+        f"format=hf {reason}; export format=safetensors (the default) instead"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
+
+
+def test_an_earlier_export_is_replaced_whole_and_other_files_stay(tmp_path):
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    out = exported(checkpoint, tmp_path / "export", format="hf")
+    (out / "README.md").write_text("my notes")
+    exported(checkpoint, out)  # no overwrite=true needed over an earlier export
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "tinyformer_tokenizer.json",
+        "tokenizer.json",
+    ]  # the hf export's tokenizer_config.json and generation_config.json went with it
+    assert (out / "README.md").read_text() == "my notes"
+    assert load(out)[1]["exported_from"] == str(checkpoint.resolve())
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_directory_of_other_files_is_written_into_only_with_overwrite(tmp_path):
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "gpt2"}')  # say, a model from the Hub
+    (out / "model.safetensors").write_text("their weights")
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"is not empty and holds no earlier export: .*overwrite"):
+        exported(checkpoint, out)
+    assert (out / "model.safetensors").read_text() == "their weights"
+    exported(checkpoint, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert load(out)[1]["kind"] == "gpt"
+
+
+def test_out_may_not_hold_the_checkpoint_it_exports(tmp_path):
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    with pytest.raises(ValueError, match="holds the checkpoint it exports"):
+        exported(checkpoint, tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
+
+
+def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch):
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    out = exported(checkpoint, tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("export.save_model", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        exported(checkpoint, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_export_command_writes_what_generate_samples_like_the_checkpoint(
+    trained_run, shared_cache, tmp_path
+):
+    out = tmp_path / "export"
+    result = run_script("export.py", f"ckpt={trained_run}", f"out={out}", cache_dir=shared_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = find_checkpoint(trained_run, "best", "ckpt")
+    assert result.stdout.startswith(f"exported {best} to {out}/ (")
+    assert "model.safetensors" in result.stdout
+    assert f"python generate.py ckpt={out}" in result.stdout
+    # Weights only: smaller than the checkpoint, which holds the optimiser's state too.
+    assert (out / "model.safetensors").stat().st_size < best.stat().st_size / 2
+    sampled = [
+        run_script("generate.py", f"ckpt={ckpt}", "max_new_tokens=40", cache_dir=shared_cache)
+        for ckpt in (trained_run, out)
+    ]
+    assert sampled[0].returncode == 0 and sampled[1].returncode == 0, sampled[1].stderr
+    assert sampled[1].stdout == sampled[0].stdout

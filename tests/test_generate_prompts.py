@@ -1,0 +1,137 @@
+"""generate.py's prompts: from the command line (commas and newlines quoted as the README shows),
+a file, stdin (prompt=-) or one a line (interactive=true), driven through a pipe as a shell
+would; conflicting options fail before anything loads."""
+
+from pathlib import Path
+
+import pytest
+
+from data.tokenizer import CharTokenizer
+from generate import Inputs
+from helpers import run_script, save_checkpoint, sharpened, tiny_encdec, tiny_gpt
+from model.sampling import SEPARATOR
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+CHARS = CharTokenizer.from_text(TEXT)
+GREEDY = ["decoding=greedy", "max_new_tokens=12"]
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("gpt")
+    model = sharpened(tiny_gpt(CHARS.vocab_size, block_size=64))
+    return save_checkpoint(model, CHARS, folder / "gpt.ckpt")
+
+
+def generate(checkpoint: Path, *options: str, stdin: str = "", status: int = 0) -> str:
+    """generate.py's stdout, once it exited with `status`."""
+    result = run_script(
+        "generate.py", f"ckpt={checkpoint}", *options, cache_dir=checkpoint.parent, stdin=stdin
+    )
+    assert result.returncode == status, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_a_prompt_file_with_commas_and_newlines_is_the_prompt_as_quoted_on_the_command_line(
+    gpt, tmp_path
+):
+    prompt = "All:\nSpeak, speak.\n\nFirst Citizen:\n"
+    (tmp_path / "prompt.txt").write_text(prompt)
+    from_file = generate(gpt, f"prompt_file={tmp_path / 'prompt.txt'}", *GREEDY)
+    assert from_file.startswith(prompt) and len(from_file) == len(prompt) + 12 + 1
+    # The README's quoting: the shell hands Hydra prompt="..." with the newlines in it.
+    assert generate(gpt, f'prompt="{prompt}"', *GREEDY) == from_file
+
+
+@pytest.mark.slow
+def test_prompt_dash_reads_the_prompt_from_stdin(gpt):
+    prompt = "Before we proceed, hear me.\n"
+    piped = generate(gpt, "prompt=-", *GREEDY, stdin=prompt)
+    assert piped.startswith(prompt) and len(piped) == len(prompt) + 12 + 1
+    assert generate(gpt, f'prompt="{prompt}"', *GREEDY) == piped
+
+
+@pytest.mark.slow
+def test_interactive_answers_each_line_as_that_prompt_would_be_answered(gpt):
+    lines = ["All:", "Speak, speak", ""]
+    answers = generate(gpt, "interactive=true", *GREEDY, stdin="\n".join(lines) + "\n")
+    expected = [generate(gpt, f'prompt="{line or chr(10)}"', *GREEDY) for line in lines]
+    assert answers == f"\n{SEPARATOR}\n".join(expected)
+
+
+@pytest.mark.slow
+def test_interactive_reports_a_bad_line_and_answers_the_others(gpt):
+    result = run_script(
+        "generate.py",
+        f"ckpt={gpt}",
+        "interactive=true",
+        *GREEDY,
+        cache_dir=gpt.parent,
+        stdin="All:\nSpeak☃\nhear me\n",
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: prompt='Speak☃': text contains 1 character(s) not in the vocabulary: '☃'; the "
+        "char tokenizer's vocabulary was built from the training corpus, so use only characters "
+        "that occur there"
+    ]
+    answers = result.stdout.split(f"\n{SEPARATOR}\n")
+    assert len(answers) == 3 and answers[1] == ""  # the n-th answer is the n-th line's
+    assert answers[0].startswith("All:") and answers[2].startswith("hear me")
+
+
+@pytest.mark.slow
+def test_interactive_decodes_each_line_as_a_source_for_an_encoder_decoder(tmp_path):
+    chars = CharTokenizer.from_text(TEXT, specials=["<pad>", "<bos>", "<eos>"])
+    checkpoint = save_checkpoint(sharpened(tiny_encdec(chars.vocab_size)), chars, tmp_path / "ed")
+    lines = ["Speak, speak.", "hear me"]
+    answers = generate(checkpoint, "interactive=true", *GREEDY, stdin="\n".join(lines) + "\n")
+    expected = [generate(checkpoint, f'source="{line}"', *GREEDY) for line in lines]
+    assert answers == f"\n{SEPARATOR}\n".join(expected)
+
+
+# Options that contradict each other, and the line that says so.
+CONFLICTS = {
+    "prompt_and_file": (
+        {"prompt": "All:", "prompt_file": "p.txt"},
+        "prompt='All:' and prompt_file=p.txt both give the prompt: keep one",
+    ),
+    "interactive_and_source": (
+        {"interactive": True, "source": "Speak"},
+        "interactive=true reads its input from stdin, one a line: drop source='Speak'",
+    ),
+    "interactive_and_prompt": (
+        {"interactive": True, "prompt": "-"},
+        "interactive=true reads its input from stdin, one a line: drop prompt='-'",
+    ),
+    "interactive_and_plot": (
+        {"interactive": True, "attention_plot": "a.png"},
+        "attention_plot=a.png draws one prompt's attention and interactive=true reads many: "
+        "drop one of them",
+    ),
+    "number_prompt": (
+        {"prompt": 42},
+        "prompt=42 is not text: Hydra reads numbers and true/false as such; quote the prompt, "
+        "e.g. 'prompt=\"42\"', or use prompt_file=",
+    ),
+}
+
+
+@pytest.mark.parametrize(("options", "message"), CONFLICTS.values(), ids=CONFLICTS.keys())
+def test_conflicting_prompt_options_are_one_error(options, message):
+    with pytest.raises(ValueError) as error:
+        Inputs(**options)
+    assert str(error.value) == message
+
+
+def test_prompt_file_and_stdin_must_give_some_text(tmp_path, monkeypatch):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match=r"^prompt_file gave an empty prompt"):
+        Inputs(prompt_file=str(tmp_path / "empty.txt")).prompt_text()
+    with pytest.raises(FileNotFoundError, match=r"^prompt_file=nope.txt: no file at nope.txt$"):
+        Inputs(prompt_file="nope.txt").prompt_text()
+    monkeypatch.setattr("sys.stdin", open("/dev/null"))
+    with pytest.raises(ValueError, match=r"^prompt=- \(stdin\) gave an empty prompt"):
+        Inputs(prompt="-").prompt_text()
+    assert Inputs().prompt_text() == "\n"  # no prompt: a newline, as before
