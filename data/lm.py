@@ -1,136 +1,64 @@
 """Next-token language-modelling data: a corpus (the embedded Shakespeare, local text files or a
 Hub dataset) split into train/val, tokenized once into a cache of flat token arrays, and served
-as (x, y) blocks with y one token ahead of x."""
+as (x, y) blocks with y one token ahead of x. The Lightning DataModule; the plain pieces it is
+built from are data/lm_text.py's and data/sources.py's."""
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from data.cache import CachedDataModule, entry_path, write_marker
+from data.lm_text import (
+    BATCH_ROWS,
+    DOCUMENT_SEPARATOR,
+    LMDataConfig,
+    TokenBlocks,
+    TokenWriter,
+    encode_held_out,
+    texts_of,
+    token_dtype,
+)
 from data.sources import (
     TEXT_BUILDERS,
     expand_paths,
     file_fingerprint,
-    is_val_document,
-    load_hub_text,
+    hub_text,
+    hub_title,
+    hub_val_split,
+    load_hub,
     load_shakespeare,
     load_text_files,
-    split_tail,
+    splits_by_tail,
+    tail_split,
+    whole_split,
 )
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
-from errors import check, check_int, is_number
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
     import datasets
 
 # Bump whenever the cache entry's contents change meaning (normalisation, split, file layout).
-FORMAT_VERSION = 2
-SOURCES = ("shakespeare", "text_files", "hub")
-TOKENIZERS = ("char", "bpe")
+# 3: a corpus too small to give validation whole documents is split inside them; a Hub dataset
+# validates on its own validation split.
+FORMAT_VERSION = 3
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
-DOCUMENT_SEPARATOR = "\n\n"  # between documents in the token stream, as between paragraphs
-BATCH_ROWS = 1000  # documents per `datasets.map` batch
-
-
-@dataclass
-class LMDataConfig:
-    source: str = "shakespeare"  # shakespeare | text_files | hub
-    paths: list[str] = field(default_factory=list)  # text_files: files, globs or folders
-    # text_files: the validation text, as files, globs or folders (then paths is all training
-    # text and val_fraction is not used)
-    val_paths: list[str] = field(default_factory=list)
-    text_column: str = "text"  # .jsonl files and Hub datasets: the column holding the text
-    name: str | None = None  # hub: the dataset's name
-    config: str | None = None  # hub: its configuration, if it has several
-    streaming: bool = False  # read the source as a stream: corpora larger than memory
-    tokenizer: str = "char"
-    bpe_vocab_size: int = 1024  # tokenizer=bpe: the vocabulary it learns
-    tokenizer_file: str | None = None  # reuse this saved tokenizer instead of training one
-    block_size: int = 128
-    batch_size: int = 32
-    val_fraction: float = 0.1
-    cache_dir: str = ".cache/tinyformer"
-    num_workers: int = 0
-    num_proc: int = 1  # processes tokenizing the corpus (`datasets.map`), when not streaming
-
-    def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"data.source must be one of {list(SOURCES)}, got {self.source!r}")
-        if self.tokenizer not in TOKENIZERS:
-            known = list(TOKENIZERS)
-            raise ValueError(f"data.tokenizer must be one of {known}, got {self.tokenizer!r}")
-        check_int("data.block_size", self.block_size)
-        check_int("data.bpe_vocab_size", self.bpe_vocab_size)
-        check_int("data.batch_size", self.batch_size)
-        check_int("data.num_workers", self.num_workers, minimum=0)
-        check_int("data.num_proc", self.num_proc)
-        v = self.val_fraction
-        check(is_number(v) and 0 < v < 1, "data.val_fraction", "a number between 0 and 1", v)
-        if not self.cache_dir:
-            raise ValueError(f"data.cache_dir must be a directory path, got {self.cache_dir!r}")
-        if not isinstance(self.streaming, bool):
-            raise ValueError(f"data.streaming must be true or false, got {self.streaming!r}")
-        if not (isinstance(self.text_column, str) and self.text_column):
-            raise ValueError(f"data.text_column must be a column name, got {self.text_column!r}")
-        # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
-        self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
-        self.val_paths = [self.val_paths] if isinstance(self.val_paths, str) else self.val_paths
-        self.val_paths = list(self.val_paths or ())
-        if self.val_paths and self.source != "text_files":
-            raise ValueError(
-                f"data.val_paths is only read by source=text_files, got source={self.source}; "
-                "e.g. data=text_files 'data.paths=[train.txt]' 'data.val_paths=[valid.txt]'"
-            )
-        # Each source's own key: required by that source, and meaningless to the others.
-        for source, key, example in (
-            ("text_files", "paths", "data=text_files 'data.paths=[corpus/*.txt]'"),
-            ("hub", "name", "data=hub data.name=NAME"),
-        ):
-            value = getattr(self, key)
-            if self.source == source and not value:
-                problem = f"source={source} needs data.{key}"
-            elif self.source != source and value:
-                problem = f"data.{key} is only read by source={source}"
-            else:
-                continue
-            raise ValueError(
-                f"{problem}, got source={self.source} and {key}={value!r}; e.g. {example}"
-            )
-        if self.config is not None and self.source != "hub":
-            raise ValueError(f"data.config is only read by source=hub, got {self.config!r}")
-        # A missing file is a config mistake: it fails here, before the trainer starts.
-        if self.paths:
-            expand_paths(self.paths, list(TEXT_BUILDERS))
-        if self.val_paths:
-            expand_paths(self.val_paths, list(TEXT_BUILDERS), "data.val_paths")
-        if self.tokenizer_file is not None and not Path(self.tokenizer_file).is_file():
-            raise FileNotFoundError(
-                f"data.tokenizer_file: no tokenizer at {self.tokenizer_file}; point it at the "
-                "tokenizer.json of an earlier run (its run directory holds one)"
-            )
 
 
 # --- Building the cache entry --------------------------------------------------------------------
 
 
-def _split_rows(batch: dict, indices: list[int], val_fraction: float, by_tail: bool) -> dict:
-    """Each document's train and val parts: its tail (`by_tail`), or all of it for one document
-    in every 1/val_fraction."""
-    if by_tail:
-        parts = [split_tail(text, val_fraction) for text in batch["text"]]
-    else:
-        texts = (text.strip("\n") for text in batch["text"])  # separators come between them
-        parts = [
-            ("", text) if is_val_document(i, val_fraction) else (text, "")
-            for text, i in zip(texts, indices, strict=True)
-        ]
+def _split_rows(batch: dict, indices: list[int], val_fraction: float) -> dict:
+    """Each document's train and val parts: all of it for one document in every
+    1/val_fraction, nothing of the others."""
+    parts = [
+        whole_split(text, i, val_fraction) for text, i in zip(batch["text"], indices, strict=True)
+    ]
     return {"train": [t for t, _ in parts], "val": [v for _, v in parts]}
 
 
@@ -144,16 +72,9 @@ def _whole_rows(batch: dict, split: str) -> dict:
 def _encode_rows(batch: dict, tokenizer: CharTokenizer | BPETokenizer) -> dict:
     """Token ids of each document's train and val parts. Characters the char tokenizer never saw
     in training have no id: they are dropped from val, and counted."""
-    out = {"train_ids": tokenizer.encode_batch(batch["train"])}
-    val = batch["val"]
-    if isinstance(tokenizer, CharTokenizer):
-        kept = [tokenizer.known(text) for text in val]
-        out["val_dropped"] = [len(a) - len(b) for a, b in zip(val, kept, strict=True)]
-        val = kept
-    else:
-        out["val_dropped"] = [0] * len(val)
-    out["val_ids"] = tokenizer.encode_batch(val)
-    return out
+    val_ids, val_dropped = encode_held_out(tokenizer, batch["val"])
+    train_ids = tokenizer.encode_batch(batch["train"])
+    return {"train_ids": train_ids, "val_ids": val_ids, "val_dropped": val_dropped}
 
 
 def _encoded_features() -> "datasets.Features":
@@ -173,46 +94,17 @@ def _texts(corpus, column: str):
         yield from (text for text in batch[column] if text)
 
 
-class TokenWriter:
-    """Appends documents' token ids to a flat token file, a separator between documents."""
-
-    def __init__(self, path: Path, separator: list[int], dtype: type) -> None:
-        self.file = open(path, "wb")
-        self.separator, self.dtype, self.count = separator, dtype, 0
-
-    def append(self, ids: list[int]) -> None:
-        if ids:
-            chunk = np.asarray((self.separator if self.count else []) + ids, dtype=self.dtype)
-            self.file.write(chunk.tobytes())
-            self.count += len(chunk)
-
-    def __enter__(self) -> "TokenWriter":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.file.close()
-
-
-class TokenBlocks(Dataset):
-    """(x, y) pairs of `block_size` tokens, y shifted one token ahead, one every `stride` tokens."""
-
-    def __init__(self, tokens: np.ndarray, block_size: int, stride: int):
-        self.tokens, self.block_size, self.stride = tokens, block_size, stride
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - self.block_size - 1) // self.stride + 1
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = i * self.stride
-        chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]
-
-
 class LMDataModule(CachedDataModule):
     """Token blocks for the GPT; LMDataConfig documents the options."""
 
     def __init__(self, **options) -> None:
         super().__init__()
+        if options.get("split") is not None:
+            raise ValueError(
+                f"data.split={options['split']} picks the split evaluate.py scores; training "
+                "trains on the train split and validates on data.val_split (data=hub: its own "
+                "validation split by default), or on data.val_fraction of the text"
+            )
         self.keep_config(LMDataConfig(**options))
         self._given_tokenizer = None
         if self.config.tokenizer_file is not None:
@@ -239,9 +131,15 @@ class LMDataModule(CachedDataModule):
                         "data.paths"
                     )
                 key["val_files"] = file_fingerprint(val_files)
+            else:
+                key["min_val_tail"] = c.block_size + 1  # a small text's val holds a block
             return key
         if c.source == "hub":
-            return {"hub": [c.name, c.config], "text_column": c.text_column}
+            return {
+                "hub": [c.name, c.config],
+                "text_column": c.text_column,
+                "val_split": c.val_split,
+            }
         return c.source
 
     def _tokenizer_key(self) -> object:
@@ -262,35 +160,49 @@ class LMDataModule(CachedDataModule):
         key |= {"val_fraction": split, "tokenizer": self._tokenizer_key()}
         return entry_path(c.cache_dir, "lm", key)
 
-    def _corpus(self) -> "datasets.Dataset | datasets.IterableDataset":
-        """The source as one row per document, with its "train" and "val" parts."""
+    def _corpus(self) -> tuple["datasets.Dataset | datasets.IterableDataset", bool]:
+        """The source as one row per document, with its "train" and "val" parts; and whether
+        val is carved out of the text by data.val_fraction (not given by files or a split)."""
+        import datasets
+
         c, cache_dir = self.config, Path(self.config.cache_dir)
+        min_tail = 0
         if c.source == "shakespeare":
             docs = load_shakespeare(cache_dir).select_columns(["text"])
-            if c.streaming:
-                docs = docs.to_iterable_dataset()
         elif c.source == "text_files":
             files = expand_paths(c.paths, list(TEXT_BUILDERS))
             docs = load_text_files(files, c.text_column, cache_dir, c.streaming)
             if c.val_paths:
-                return self._given_split(docs)
+                val_files = expand_paths(c.val_paths, list(TEXT_BUILDERS), "data.val_paths")
+                val_docs = load_text_files(
+                    val_files, c.text_column, cache_dir, c.streaming, "data.val_paths"
+                )
+                return self._given_split(docs, val_docs), False
+            min_tail = c.block_size + 1  # any text of two blocks trains: val gets one
         else:
-            docs = load_hub_text(c.name, c.config, c.text_column, cache_dir, c.streaming)
-        # A play's tail keeps val in the same style as train; a corpus of many documents gives
-        # whole documents to val, which a stream can decide one document at a time.
-        split = partial(_split_rows, val_fraction=c.val_fraction, by_tail=c.source == "shakespeare")
-        return self._map(docs, split, "split", with_indices=True, remove_columns=["text"])
+            title = hub_title(c.name, c.config)
+            splits = load_hub(c.name, c.config, cache_dir, c.streaming)
+            docs = hub_text(splits, "train", c.text_column, title, "data.name")
+            val_split, shown = hub_val_split(splits, c.val_split, c.val_fraction, title)
+            print(f"data=hub: validating on {shown}")
+            if val_split is not None:
+                val_docs = hub_text(splits, val_split, c.text_column, title, "data.val_split")
+                return self._given_split(docs, val_docs), False
+        # A play's tail keeps val in the same style as train, and so does the tail of each
+        # document of a corpus too small to give whole ones to val (one file, say); held in
+        # memory, as they are few. A corpus of many documents gives whole ones to val, which a
+        # stream can decide one document at a time.
+        if c.source == "shakespeare" or splits_by_tail(docs, c.val_fraction):
+            heads, tails = zip(*tail_split(texts_of(docs), c.val_fraction, min_tail), strict=True)
+            return datasets.Dataset.from_dict({"train": heads, "val": tails}), True
+        split = partial(_split_rows, val_fraction=c.val_fraction)
+        return self._map(docs, split, "split", with_indices=True, remove_columns=["text"]), True
 
-    def _given_split(self, train_docs):
-        """The documents of data.paths as training text and those of data.val_paths as
-        validation text, whole."""
+    def _given_split(self, train_docs, val_docs):
+        """The documents of `train_docs` as training text and those of `val_docs` as
+        validation text, whole: data.val_paths's files, or a Hub dataset's own split."""
         import datasets
 
-        c = self.config
-        files = expand_paths(c.val_paths, list(TEXT_BUILDERS), "data.val_paths")
-        val_docs = load_text_files(
-            files, c.text_column, Path(c.cache_dir), c.streaming, "data.val_paths"
-        )
         parts = [
             self._map(
                 docs, partial(_whole_rows, split=split), f"split-{split}", remove_columns=["text"]
@@ -326,19 +238,18 @@ class LMDataModule(CachedDataModule):
 
     def _build(self, out: Path) -> None:
         c = self.config
-        corpus = self._corpus()
+        corpus, carved = self._corpus()
         tokenizer = self._given_tokenizer or self._train_tokenizer(corpus)
         encode = partial(_encode_rows, tokenizer=tokenizer)
         encoded = self._map(
             corpus, encode, "encode", remove_columns=["train", "val"], features=_encoded_features()
         )
-        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        dtype = token_dtype(tokenizer)
         separator = tokenizer.encode(DOCUMENT_SEPARATOR)
         dropped = 0
-        with (
-            TokenWriter(out / "train.bin", separator, dtype) as train,
-            TokenWriter(out / "val.bin", separator, dtype) as val,
-        ):
+        with open(out / "train.bin", "wb") as train_file, open(out / "val.bin", "wb") as val_file:
+            train = TokenWriter(train_file, separator, dtype)
+            val = TokenWriter(val_file, separator, dtype)
             for batch in encoded.iter(batch_size=BATCH_ROWS):  # one pass, also when streaming
                 for ids in batch["train_ids"]:
                     train.append(ids)
@@ -354,11 +265,8 @@ class LMDataModule(CachedDataModule):
                     "character tokenizer drops validation characters the training text lacks); "
                     f"check the files of {key}"
                 )
-            if count == 0:
-                raise ValueError(
-                    f"the {split} split of data.source={c.source} is empty: too few documents "
-                    f"for data.val_fraction={c.val_fraction}; add text or change val_fraction"
-                )
+            if count == 0:  # an empty file cannot be mapped
+                self._check_sizes(counts, carved)
         val_tokens = np.memmap(out / "val.bin", dtype=dtype, mode="r")
         tokenizer.save(out / "tokenizer.json")
         meta = {
@@ -366,6 +274,7 @@ class LMDataModule(CachedDataModule):
             "format_version": FORMAT_VERSION,
             "tokenizer": c.tokenizer if self._given_tokenizer is None else "given",
             "val_fraction": c.val_fraction,
+            "val_carved": carved,
             "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size,
             "train_tokens": counts["train"],
@@ -377,16 +286,36 @@ class LMDataModule(CachedDataModule):
 
     def _load(self, entry: Path) -> dict[str, np.ndarray]:
         meta = json.loads((entry / "meta.json").read_text())
-        block, splits = self.config.block_size, {}
-        for split in ("train", "val"):
-            tokens = np.memmap(entry / f"{split}.bin", dtype=meta["dtype"], mode="r")
-            if len(tokens) < block + 1:
-                raise ValueError(
-                    f"data.block_size={block} needs at least {block + 1} tokens but the {split} "
-                    f"split has {len(tokens)}; lower data.block_size"
-                )
-            splits[split] = tokens
+        splits = {
+            split: np.memmap(entry / f"{split}.bin", dtype=meta["dtype"], mode="r")
+            for split in ("train", "val")
+        }
+        self._check_sizes(
+            {split: len(tokens) for split, tokens in splits.items()}, meta["val_carved"]
+        )
         return splits
+
+    def _check_sizes(self, counts: dict[str, int], carved: bool) -> None:
+        """Each split holds a block of data.block_size tokens and the token after it, or a
+        one-line error says what is short: the whole text, or one split (`carved`: val is
+        data.val_fraction of the text)."""
+        block = self.config.block_size
+        short = [split for split, count in counts.items() if count < block + 1]
+        if not short:
+            return
+        split = short[0]
+        needs = (
+            f"data.block_size={block} needs at least {block + 1} tokens but the {split} split "
+            f"has {counts[split]}"
+        )
+        total = sum(counts.values())
+        if total < 2 * (block + 1):
+            raise ValueError(
+                f"{needs}, and the whole text {total}: it is shorter than two blocks (one to train "
+                "on, one to validate); add text or lower data.block_size"
+            )
+        fix = " or raise data.val_fraction" if split == "val" and carved else ""
+        raise ValueError(f"{needs}; lower data.block_size{fix}")
 
     def train_dataloader(self) -> DataLoader:
         # Every offset starts a training block; overlapping blocks are distinct examples.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.sources import datasets_cache_for, expand_paths, load_hub
+from data.sources import datasets_cache_for, expand_paths, hub_split, hub_title, load_hub
 
 MIN_PASSAGE = 16  # shorter passages hold too little context to restore
 MASK = -1  # stands for <mask> in arrays of code points, before the tokenizer exists
@@ -156,9 +156,10 @@ def load_pair_texts(c) -> tuple[list[str], list[str]]:
     """The source and target columns of the local files or Hub dataset (rows with a missing
     value are skipped)."""
     if c.hub_name:
-        name = c.hub_name + (f" ({c.hub_config})" if c.hub_config else "")
+        name = hub_title(c.hub_name, c.hub_config)
         fix = "data=pairs data.paths=[pairs.jsonl]"
-        ds = load_hub(c.hub_name, c.hub_config, c.cache_dir, key="data.hub_name", local_fix=fix)
+        splits = load_hub(c.hub_name, c.hub_config, c.cache_dir, key="data.hub_name", local_fix=fix)
+        ds = hub_split(splits, "train", name, "data.hub_name")
     else:
         files = expand_paths(c.paths, list(FILE_FORMATS))
         name = ", ".join(str(f) for f in files)

@@ -1,108 +1,34 @@
 """Sequence-to-sequence data for the encoder-decoder: (source, target) text pairs, either built
 from the Shakespeare corpus (`denoise`: restore a corrupted passage; `next_line`: continue a
 speech) or read from any dataset with two text columns (`pairs`), tokenized once into a cache
-and served as padded batches with padding masks."""
+and served as padded batches with padding masks. The Lightning DataModule; the plain pieces it
+is built from are data/seq2seq_text.py's."""
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from data.cache import CachedDataModule, entry_path, write_marker
 from data.metrics import character_error_rate
-from data.pairs import (
-    FILE_FORMATS,
-    MASK,
-    MIN_PASSAGE,
-    Ragged,
-    corrupt_chars,
-    corrupt_spans,
-    load_pair_texts,
-    next_line_pairs,
-    passages,
-    split_rows,
+from data.pairs import FILE_FORMATS, MASK, Ragged
+from data.seq2seq_text import (
+    TASK_BUILDERS,
+    PairDataset,
+    Seq2SeqDataConfig,
+    Split,
+    collate_pairs,
+    drop_empty_sources,
+    encode_pairs,
 )
-from data.sources import expand_paths, file_fingerprint, load_shakespeare, train_val_split
+from data.sources import expand_paths, file_fingerprint
 from data.tokenizer import CharTokenizer
-from errors import check as check_value
-from errors import is_int, is_number
+from errors import is_int
 
 # Bump whenever the cache entry's contents change meaning (passages, corruption, file layout).
 FORMAT_VERSION = 1
-TASKS = ("denoise", "next_line", "pairs")
-CORRUPTIONS = ("char", "span")
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<mask>")
-IGNORE_INDEX = -100  # F.cross_entropy's default: padded target positions add no loss
-
-
-@dataclass
-class Seq2SeqDataConfig:
-    task: str = "denoise"
-    corruption: str = "char"
-    noise_rate: float = 0.15
-    mean_span: float = 3
-    max_source_len: int = 96  # source tokens, <mask> included
-    max_target_len: int = 96  # decoder positions: <bos> + target (or target + <eos>)
-    batch_size: int = 64
-    val_fraction: float = 0.1
-    cache_dir: str = ".cache/tinyformer"
-    num_workers: int = 0
-    seed: int = 1234
-    paths: list[str] = field(default_factory=list)
-    hub_name: str | None = None
-    hub_config: str | None = None
-    source_column: str = "source"
-    target_column: str = "target"
-    val_subset: int = 256
-
-    def __post_init__(self) -> None:
-        def check(ok: bool, key: str, expected: str) -> None:
-            check_value(ok, f"data.{key}", expected, getattr(self, key))
-
-        check(self.task in TASKS, "task", f"one of {list(TASKS)}")
-        check(self.corruption in CORRUPTIONS, "corruption", f"one of {list(CORRUPTIONS)}")
-        rate = self.noise_rate
-        check(is_number(rate) and 0 < rate < 1, "noise_rate", "a number between 0 and 1")
-        check(is_number(self.mean_span) and self.mean_span >= 1, "mean_span", "a number >= 1")
-        # A denoising source holds a whole passage; a target also needs room for <bos>/<eos>.
-        shortest = MIN_PASSAGE if self.task == "denoise" else 1
-        for key, least in (("max_source_len", shortest), ("max_target_len", shortest + 1)):
-            check(is_int(getattr(self, key), least), key, f"an integer >= {least} for {self.task}")
-        for key in ("batch_size", "val_subset"):
-            check(is_int(getattr(self, key), 1), key, "a positive integer")
-        check(is_int(self.num_workers, 0), "num_workers", "a non-negative integer")
-        check(is_int(self.seed, 0), "seed", "a non-negative integer")
-        v = self.val_fraction
-        check(is_number(v) and 0 < v < 1, "val_fraction", "a number between 0 and 1")
-        check(bool(self.cache_dir), "cache_dir", "a directory path")
-        for key in ("source_column", "target_column"):
-            check(isinstance(getattr(self, key), str) and getattr(self, key), key, "a column name")
-        # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
-        self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
-        check(all(isinstance(p, str) and p for p in self.paths), "paths", "a list of file paths")
-        check(self.hub_config is None or bool(self.hub_name), "hub_config", "null without hub_name")
-        if self.task != "pairs" and (self.paths or self.hub_name):
-            raise ValueError(
-                f"data.paths and data.hub_name are only read by task=pairs, got task={self.task}; "
-                "use data=pairs"
-            )
-        if self.task == "pairs" and bool(self.paths) == bool(self.hub_name):
-            raise ValueError(
-                "task=pairs needs exactly one of data.paths (local files) and data.hub_name, "
-                f"got paths={self.paths} and hub_name={self.hub_name!r}; "
-                "e.g. data=pairs data.paths=[pairs.jsonl]"
-            )
-        if self.paths:
-            expand_paths(self.paths, list(FILE_FORMATS))  # a missing file fails here, first
-
-
-# --- Tokenizing and batching -------------------------------------------------------------------
-
-Split = tuple[Ragged, Ragged]  # (sources, targets)
 
 
 def tokenize(splits: dict[str, Split]) -> tuple[CharTokenizer, dict[str, Split], int]:
@@ -113,125 +39,9 @@ def tokenize(splits: dict[str, Split]) -> tuple[CharTokenizer, dict[str, Split],
     tokenizer = CharTokenizer([chr(c) for c in chars], SPECIALS)
     encoded, dropped = {}, 0
     for split, pair in splits.items():
-        sides = []
-        for texts in pair:
-            at = np.searchsorted(chars, texts.flat).clip(max=len(chars) - 1)
-            ids = np.where(texts.flat == MASK, tokenizer.mask_id, at + len(SPECIALS))
-            known = (chars[at] == texts.flat) | (texts.flat == MASK)
-            sides.append(Ragged(ids, texts.offsets).keep_elements(known))
-            dropped += int((~known).sum())
-        encoded[split] = tuple(sides)
+        encoded[split], count = encode_pairs(tokenizer, pair)
+        dropped += count
     return tokenizer, encoded, dropped
-
-
-def drop_empty_sources(pair: Split) -> tuple[Split, int]:
-    """Pairs whose source is empty removed: an all-padding row leaves attention nothing to see."""
-    sources, targets = pair
-    rows = np.flatnonzero(np.diff(sources.offsets) > 0)
-    if len(rows) == len(sources):
-        return pair, 0
-    return (sources.select(rows), targets.select(rows)), len(sources) - len(rows)
-
-
-class PairDataset(Dataset):
-    """(source ids, target ids) as int64 arrays, without <bos>/<eos>."""
-
-    def __init__(self, sources: Ragged, targets: Ragged):
-        self.sources, self.targets = sources, targets
-
-    def __len__(self) -> int:
-        return len(self.sources)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.sources[i].astype(np.int64), self.targets[i].astype(np.int64)
-
-
-def pad_sequences(
-    sequences: Sequence[Sequence[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad id sequences into (B, L) ids and a (B, L) mask, True at real tokens."""
-    lengths = torch.tensor([len(s) for s in sequences])
-    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
-    return ids, torch.arange(ids.size(1)) < lengths[:, None]
-
-
-def collate_pairs(
-    items: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int, bos_id: int, eos_id: int
-) -> dict[str, torch.Tensor]:
-    """Pad a batch to its longest source (S) and longest target + 1 (T).
-
-    source (B, S) and source_mask (B, S), True at real tokens: the source is just the text, no
-    <bos>/<eos>, since the encoder reads it whole and the mask says where it ends.
-    target_in (B, T) = <bos> + target, target_out (B, T) = target + <eos> with IGNORE_INDEX at
-    padding, and target_mask (B, T), True at the real positions of both.
-    """
-    source, source_mask = pad_sequences([s for s, _ in items], pad_id)
-    target_lens = torch.tensor([len(t) + 1 for _, t in items])
-    shape_t = (len(items), int(target_lens.max()))
-    target_in = torch.full(shape_t, pad_id, dtype=torch.long)
-    target_out = torch.full(shape_t, IGNORE_INDEX, dtype=torch.long)
-    for row, (_, t) in enumerate(items):
-        target_in[row, : len(t) + 1] = torch.from_numpy(np.concatenate(([bos_id], t)))
-        target_out[row, : len(t) + 1] = torch.from_numpy(np.concatenate((t, [eos_id])))
-    return {
-        "source": source,
-        "source_mask": source_mask,
-        "target_in": target_in,
-        "target_out": target_out,
-        "target_mask": torch.arange(shape_t[1]) < target_lens[:, None],
-    }
-
-
-# --- The tasks and the data module -------------------------------------------------------------
-
-Facts = dict[str, object]  # what a task reports about its build, kept in meta.json
-
-
-def _shakespeare_scripts(c: Seq2SeqDataConfig) -> dict[str, str]:
-    texts = load_shakespeare(Path(c.cache_dir))["text"]
-    return dict(zip(("train", "val"), train_val_split(texts, c.val_fraction), strict=True))
-
-
-def denoise_task(c: Seq2SeqDataConfig) -> tuple[dict[str, Split], Facts]:
-    """Passages as targets, corrupted copies as sources; every pair is corrupted once, here, so
-    the data are fixed by the seed. Val gets its own random stream: its noise doesn't depend
-    on how much training text came before."""
-    limit = min(c.max_source_len, c.max_target_len - 1)
-    splits, noise = {}, {}
-    rngs = np.random.default_rng(c.seed).spawn(2)
-    for (split, script), rng in zip(_shakespeare_scripts(c).items(), rngs, strict=True):
-        targets = Ragged.from_texts(passages(script, limit))
-        if c.corruption == "char":
-            sources = Ragged(corrupt_chars(targets.flat, c.noise_rate, rng), targets.offsets)
-            noise[split] = float(np.mean(sources.flat != targets.flat))
-        else:
-            sources, noise[split] = corrupt_spans(targets, c.noise_rate, c.mean_span, rng)
-        splits[split] = (sources, targets)
-    return splits, {"noise_fraction": noise}
-
-
-def next_line_task(c: Seq2SeqDataConfig) -> tuple[dict[str, Split], Facts]:
-    splits = {}
-    for split, script in _shakespeare_scripts(c).items():
-        sources, targets = next_line_pairs(script, c.max_source_len, c.max_target_len - 1)
-        splits[split] = (Ragged.from_texts(sources), Ragged.from_texts(targets))
-    return splits, {}
-
-
-def pairs_task(c: Seq2SeqDataConfig) -> tuple[dict[str, Split], Facts]:
-    sources, targets = load_pair_texts(c)
-    train_rows, val_rows = split_rows(len(sources), c.val_fraction, c.seed)
-    splits = {}
-    for split, rows in (("train", train_rows), ("val", val_rows)):
-        cut_sources = [sources[i][: c.max_source_len] for i in rows]
-        cut_targets = [targets[i][: c.max_target_len - 1] for i in rows]
-        splits[split] = (Ragged.from_texts(cut_sources), Ragged.from_texts(cut_targets))
-    return splits, {}
-
-
-TASK_BUILDERS = {"denoise": denoise_task, "next_line": next_line_task, "pairs": pairs_task}
 
 
 class Seq2SeqDataModule(CachedDataModule):

@@ -5,15 +5,20 @@ speech, blank line), local text files, and Hub datasets; and the train/val split
 import glob
 import hashlib
 import importlib.metadata
+import itertools
 import json
+import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
     import datasets
+
+    HubSplits = datasets.DatasetDict | datasets.IterableDatasetDict  # a Hub dataset's splits
+    HubSplit = datasets.Dataset | datasets.IterableDataset
 
 
 # A line that is only a speaker's name, e.g. "**First Citizen**  ".
@@ -104,9 +109,15 @@ def load_shakespeare(cache_dir: Path) -> "datasets.Dataset":
 
 def split_tail(text: str, val_fraction: float) -> tuple[str, str]:
     """(head, tail) of one document, cut at the first paragraph break after (1 - val_fraction)
-    of its length; a document with no break there is all head."""
-    cut = text.find("\n\n", int(len(text) * (1 - val_fraction)))
-    cut = len(text) if cut == -1 else cut
+    of its length; failing that (one paragraph of lines), at the first line break there; and in
+    text with neither, right there. So any text of two characters or more has both parts."""
+    start = int(len(text) * (1 - val_fraction))
+    end = len(text.rstrip("\n"))  # a break that only ends the text would leave the tail empty
+    cut = text.find("\n\n", start, end)
+    if cut == -1:
+        cut = text.find("\n", start, end)
+    if cut == -1:
+        cut = min(max(start, 1), end - 1)
     return text[:cut].strip("\n"), text[cut:].strip("\n")
 
 
@@ -127,6 +138,33 @@ def is_val_document(index: int, val_fraction: float) -> bool:
     """Whether document `index` of a stream belongs to validation: one in every 1/val_fraction,
     spread evenly, decided without knowing how many documents there are (streaming)."""
     return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+def splits_by_tail(documents: Iterable, val_fraction: float) -> bool:
+    """Whether a corpus is split inside its documents, the tail of each to validation, rather than
+    one whole document in every 1/val_fraction: when it has too few documents for that to give
+    validation one. Reads at most that many documents, so a stream is not read through."""
+    needed = next(i for i in itertools.count() if is_val_document(i, val_fraction)) + 1
+    return sum(1 for _ in itertools.islice(documents, needed)) < needed
+
+
+def tail_split(texts: list[str], val_fraction: float, min_tail: int = 0) -> list[tuple[str, str]]:
+    """Each document's (head, tail) by split_tail; but when the tails hold fewer than min_tail
+    characters in all (a small text), each document is cut exactly where its tail gets its share
+    of min_tail, so that validation holds at least that much."""
+    parts = [split_tail(text, val_fraction) for text in texts]
+    if sum(len(tail) for _, tail in parts) >= min_tail:
+        return parts
+    share = min(1.0, min_tail / max(1, sum(len(text) for text in texts)))
+    cuts = [len(text) - math.ceil(len(text) * share) for text in texts]
+    return [(text[:cut], text[cut:]) for text, cut in zip(texts, cuts, strict=True)]
+
+
+def whole_split(text: str, index: int, val_fraction: float) -> tuple[str, str]:
+    """The train and val parts of document `index` of a corpus split by whole documents: all of
+    it in one of them, by is_val_document."""
+    text = text.strip("\n")  # separators come between documents
+    return ("", text) if is_val_document(index, val_fraction) else (text, "")
 
 
 # --- Local files and the Hub -------------------------------------------------------------------
@@ -249,26 +287,57 @@ def load_hub(
     streaming: bool = False,
     key: str = "data.name",
     local_fix: str = "data=text_files 'data.paths=[corpus/*.txt]'",
-) -> "datasets.Dataset | datasets.IterableDataset":
-    """The train split of a Hugging Face Hub dataset; offline, an error that names the config
-    `key` and `local_fix`, the way to train on local files instead."""
+) -> "datasets.DatasetDict | datasets.IterableDatasetDict":
+    """Every split of a Hugging Face Hub dataset, by name (a directory laid out as a Hub dataset
+    repository, data/<split>-*.parquet, loads the same way); offline, an error that names the
+    config `key` and `local_fix`, the way to use local files instead."""
     import datasets
 
-    shown = name + (f" ({config})" if config else "")
     try:
         return datasets.load_dataset(
-            name, config, split="train", streaming=streaming, cache_dir=str(Path(cache_dir) / "hf")
+            name, config, streaming=streaming, cache_dir=str(Path(cache_dir) / "hf")
         )
     except ConnectionError as err:  # what `datasets` raises when the Hub does not answer
         raise ValueError(
-            f"{key}: cannot download {shown}: the Hugging Face Hub is unreachable (offline); "
-            f"use local files instead: {local_fix}"
+            f"{key}: cannot download {hub_title(name, config)}: the Hugging Face Hub is "
+            f"unreachable (offline); use local files instead: {local_fix}"
         ) from err
 
 
-def load_hub_text(
-    name: str, config: str | None, text_column: str, cache_dir: Path, streaming: bool = False
-) -> "datasets.Dataset | datasets.IterableDataset":
-    """A Hub dataset's train split reduced to its `text_column`, renamed "text"."""
-    ds = load_hub(name, config, cache_dir, streaming)
-    return _with_text_column(ds, text_column, f"the Hub dataset {name}")
+def hub_title(name: str, config: str | None) -> str:
+    """A Hub dataset as messages show it: its name, and its configuration if one is chosen."""
+    return name + (f" ({config})" if config else "")
+
+
+def hub_split(splits: "HubSplits", split: str, title: str, key: str) -> "HubSplit":
+    """Split `split` of a loaded Hub dataset; one it lacks is an error naming `key`, the option
+    that asked for it, and the splits there are."""
+    if split not in splits:
+        raise ValueError(
+            f"{key}: {title} has no split named {split!r}; its splits are {list(splits)}"
+        )
+    return splits[split]
+
+
+def hub_val_split(
+    splits: "HubSplits", val_split: str | None, val_fraction: float, title: str
+) -> tuple[str | None, str]:
+    """The split of a loaded Hub dataset that validates, and what validates, in words:
+    data.val_split when given, else the dataset's own "validation" split, else None, when
+    validation is carved out of its train split as it is out of local files."""
+    if val_split is not None:
+        hub_split(splits, val_split, title, "data.val_split")
+    elif "validation" in splits:
+        val_split = "validation"
+    else:
+        return None, (
+            f"data.val_fraction={val_fraction} of the train split of {title}, which has no "
+            "validation split"
+        )
+    return val_split, f"the {val_split!r} split of {title}"
+
+
+def hub_text(splits: "HubSplits", split: str, text_column: str, title: str, key: str) -> "HubSplit":
+    """Split `split` of a loaded Hub dataset reduced to its `text_column`, renamed "text"."""
+    ds = hub_split(splits, split, title, key)
+    return _with_text_column(ds, text_column, f"the Hub dataset {title}")

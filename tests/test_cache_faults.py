@@ -78,7 +78,9 @@ BUILD_WITH_STUCK_WORKERS = textwrap.dedent(
         time.sleep(600)
 
     data.lm._split_rows = split_slowly
-    module = data.lm.LMDataModule(source="text_files", paths=[corpus], num_proc=2, cache_dir=cache)
+    module = data.lm.LMDataModule(
+        source="text_files", paths=[corpus], block_size=8, num_proc=2, cache_dir=cache
+    )
     module.prepare_data()
     """
 )

@@ -145,16 +145,6 @@ def test_empty_and_broken_files(corpus, tmp_path):
         prepared(source="text_files", paths=[str(corpus / "broken.jsonl")], cache_dir=tmp_path)
 
 
-def test_too_few_documents_for_a_val_split(tmp_path):
-    (tmp_path / "one.txt").write_text("A single paragraph, so nothing is left for validation.")
-    with pytest.raises(
-        ValueError,
-        match=r"the val split of data.source=text_files is empty.*"
-        r"data.val_fraction=0.1; add text or change val_fraction",
-    ):
-        prepared(source="text_files", paths=[str(tmp_path / "one.txt")], cache_dir=tmp_path)
-
-
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
 def test_streaming_and_parallel_tokenisation_build_the_same_entry(corpus, tmp_path, tokenizer):
     """The cache key ignores streaming and num_proc because they don't change the tokens."""

@@ -12,13 +12,8 @@ import torch
 
 from data.metrics import character_error_rate, levenshtein
 from data.pairs import next_line_pairs, passages
-from data.seq2seq import (
-    IGNORE_INDEX,
-    SPECIALS,
-    Seq2SeqDataConfig,
-    Seq2SeqDataModule,
-    collate_pairs,
-)
+from data.seq2seq import SPECIALS, Seq2SeqDataConfig, Seq2SeqDataModule, collate_pairs
+from data.seq2seq_text import IGNORE_INDEX
 from data.sources import load_shakespeare, train_val_split
 from data.tokenizer import load_tokenizer
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric, Metric, SumMetric
 
 from data.metrics import character_error_rate
-from data.seq2seq import pad_sequences
+from data.seq2seq_text import pad_sequences
 from data.tokenizer import tokenizer_from_dict
 from errors import check_field_types, check_int
 from model.checkpoint import build_model

@@ -1,0 +1,299 @@
+"""Score a trained checkpoint on a whole corpus: every block or pair of it, in batches.
+
+    python evaluate.py ckpt=<run dir or .ckpt>            # the validation split it trained on
+    python evaluate.py ckpt=<run dir> data=text_files 'data.paths=[held_out.txt]'
+    python evaluate.py ckpt=<run dir> data=hub data.name=wikitext \
+        data.config=wikitext-2-raw-v1 data.split=test
+
+A GPT gets its loss (nats per token), perplexity and bits per character; an encoder-decoder its
+loss, perplexity, and the exact match and character error rate of its greedy decodes. A table
+goes to stdout and the same as JSON to out= (default: eval_<data>.json in the checkpoint's run
+directory). The checkpoint carries the model and its tokenizer; Lightning and W&B never load.
+"""
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from data.lm_text import LMDataConfig, TokenBlocks, eval_documents, token_stream
+from data.metrics import character_error_rate
+from data.seq2seq_text import (
+    IGNORE_INDEX,
+    PairDataset,
+    Seq2SeqDataConfig,
+    collate_pairs,
+    eval_pairs,
+)
+from data.tokenizer import tokenizer_from_dict
+from errors import check, check_field_types, check_int, exit_on_user_error
+from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
+from model.encdec import EncoderDecoder
+from model.generation import decode_greedy_or_sample, decoding_ids
+from model.gpt import GPT
+
+
+@dataclass(frozen=True)
+class KindData:
+    """What evaluate.py reads for one kind of model."""
+
+    name: str  # in messages
+    target: str  # the DataModule that this kind's configs/data/*.yaml name
+    options: type  # the data options' class
+    fits: str  # the data= choices for it, in messages
+    lengths: tuple[str, ...]  # the model's length limits, which its data shares
+    # The data scored when no data= is chosen, and the options of it that the checkpoint's run
+    # fixed when it trained on that data too: those that decide the validation text, so that
+    # the text scored is the text it validated on.
+    default: dict
+    kept: tuple[str, ...]
+
+
+KINDS = {
+    "gpt": KindData(
+        "a GPT",
+        "data.lm.LMDataModule",
+        LMDataConfig,
+        "data=text_files or data=hub",
+        ("block_size",),
+        {"source": "shakespeare"},
+        ("val_fraction",),
+    ),
+    "encdec": KindData(
+        "an encoder-decoder",
+        "data.seq2seq.Seq2SeqDataModule",
+        Seq2SeqDataConfig,
+        "data=pairs",
+        ("max_source_len", "max_target_len"),
+        {"task": "denoise"},
+        ("val_fraction", "corruption", "noise_rate", "mean_span", "seed"),
+    ),
+}
+
+# The table's rows after the checkpoint and the data: (label, result key, format).
+ROWS = (
+    ("loss", "loss", "{:.4f} nats/token"),
+    ("perplexity", "perplexity", "{:.3f}"),
+    ("bits/char", "bits_per_char", "{:.4f}"),
+    ("exact match", "exact_match", "{:.4f}"),
+    ("CER", "cer", "{:.4f}"),
+    ("pairs", "pairs", "{:,}"),
+    ("tokens", "tokens", "{:,}"),
+    ("characters", "characters", "{:,}"),
+    ("dropped", "characters_dropped", "{:,} characters the tokenizer has no id for"),
+)
+
+
+@dataclass
+class EvalConfig:
+    """evaluate.py's own options (data.* are the data's: see configs/data/)."""
+
+    batch_size: int = 32  # blocks or pairs per forward pass
+    out: str | None = None  # the JSON file; None: eval_<data>.json in the run directory
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "")
+        check_int("batch_size", self.batch_size)
+        check(self.out is None or bool(self.out), "out", "a file path or null", self.out)
+
+
+def data_config(
+    cfg: DictConfig, kind: KindData, hparams: dict, shown: str
+) -> LMDataConfig | Seq2SeqDataConfig:
+    """The checked data options: data=<choice>'s, with the data configs' interpolations of
+    model.* filled from the checkpoint's model, or the kind's default data. `shown` names the
+    checkpoint in messages."""
+    choice = HydraConfig.get().runtime.choices.get("data")
+    node = cfg.get("data")
+    given_target = node.get("_target_") if node is not None else None
+    if given_target is not None and given_target != kind.target:
+        raise ValueError(
+            f"data={choice} is data for the other kind of model and {shown} is {kind.name}: "
+            f"score it on {kind.fits}, or leave data= out for its validation split"
+        )
+    with open_dict(cfg):
+        cfg.model = hparams["model"]  # what ${model.block_size} and the like read
+    options = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+    options.pop("_target_", None)
+    if choice is None:
+        run_data = (hparams.get("run_config") or {}).get("data") or {}
+        trained_on_it = all(run_data.get(key) == value for key, value in kind.default.items())
+        options = {
+            **kind.default,
+            **{key: run_data[key] for key in kind.kept if trained_on_it and key in run_data},
+            **{key: hparams["model"][key] for key in kind.lengths},
+            "cache_dir": cfg.paths.cache_dir,
+            **options,  # +data.key=value on the command line
+        }
+    names = {f.name for f in fields(kind.options)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        which = f"data={choice}" if choice else "the default data"
+        raise ValueError(
+            f"data.{unknown[0]} is not an option of {which}; its options are {sorted(names)}"
+        )
+    config = kind.options(**options)
+    for key in kind.lengths:  # positions beyond the model's were never trained
+        given, limit = getattr(config, key), hparams["model"][key]
+        if given > limit:
+            raise ValueError(
+                f"data.{key}={given} is more than the checkpoint's model.{key}={limit}, the "
+                f"longest it was trained on; set data.{key}={limit} or less"
+            )
+    return config
+
+
+def progress(loader: DataLoader) -> tqdm:
+    """The batches, with a progress bar on a terminal when scoring takes more than 2 s."""
+    return tqdm(loader, desc="scoring", unit="batch", leave=False, delay=2, disable=None)
+
+
+@torch.inference_mode()
+def score_gpt(
+    model: GPT, tokenizer, config: LMDataConfig, batch_size: int, device: torch.device
+) -> dict:
+    """Loss, perplexity and bits per character over non-overlapping blocks of the text, as
+    training validates: each token after the first is scored once, with the tokens before it
+    in its block as context (the last partial block is left out, as in training)."""
+    documents, shown = eval_documents(config)
+    tokens, dropped = token_stream(tokenizer, documents)
+    block = config.block_size
+    if len(tokens) < block + 1:
+        raise ValueError(
+            f"{shown} has {len(tokens)} tokens, fewer than one block of data.block_size={block} "
+            "and the token after it; score more text or lower data.block_size"
+        )
+    blocks = DataLoader(TokenBlocks(tokens, block, stride=block), batch_size)
+    token_chars = torch.tensor(tokenizer.token_char_counts(), device=device)
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    chars = torch.zeros((), dtype=torch.int64, device=device)
+    count = 0
+    for x, y in progress(blocks):
+        x, y = x.to(device), y.to(device)
+        _, loss = model(x, y)
+        nats += loss.double() * y.numel()  # the loss is a mean over the batch's tokens
+        chars += token_chars[y].sum()
+        count += y.numel()
+    loss, chars = float(nats) / count, int(chars)
+    return {
+        "data": shown,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_char": float(nats) / chars / math.log(2),
+        "tokens": count,
+        "characters": chars,
+        "characters_dropped": dropped,
+    }
+
+
+@torch.inference_mode()
+def score_encdec(
+    model: EncoderDecoder,
+    tokenizer,
+    config: Seq2SeqDataConfig,
+    batch_size: int,
+    device: torch.device,
+) -> dict:
+    """Loss and perplexity over every target token (teacher-forced, as training validates), and
+    exact match and character error rate of greedy decodes of every pair."""
+    (sources, targets), dropped, shown = eval_pairs(config, tokenizer)
+    if len(sources) == 0:
+        raise ValueError(f"{shown} holds no pair with a source this tokenizer can encode")
+    ids = decoding_ids(tokenizer)
+    collate = partial(
+        collate_pairs, pad_id=tokenizer.pad_id, bos_id=ids["bos_id"], eos_id=ids["eos_id"]
+    )
+    batches = DataLoader(PairDataset(sources, targets), batch_size, collate_fn=collate)
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    scored = torch.zeros((), dtype=torch.int64, device=device)
+    predictions = []
+    for batch in progress(batches):
+        batch = {key: value.to(device) for key, value in batch.items()}
+        source, source_mask = batch["source"], batch["source_mask"]
+        _, loss = model(
+            source, batch["target_in"], source_mask, batch["target_mask"], batch["target_out"]
+        )
+        targets_scored = (batch["target_out"] != IGNORE_INDEX).sum()
+        nats += loss.double() * targets_scored  # the loss is a mean over the scored targets
+        scored += targets_scored
+        predictions += decode_greedy_or_sample(
+            model,
+            source,
+            source_mask,
+            **ids,
+            max_new_tokens=model.config.max_target_len,
+            greedy=True,
+        )
+    references = [targets[i].tolist() for i in range(len(targets))]
+    exact = sum(p == r for p, r in zip(predictions, references, strict=True)) / len(references)
+    loss = float(nats) / int(scored)
+    return {
+        "data": shown,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "exact_match": exact,
+        "cer": character_error_rate(predictions, references),
+        "pairs": len(references),
+        "tokens": int(scored),
+        "characters_dropped": dropped,
+    }
+
+
+def default_out(checkpoint: Path, name: str) -> Path:
+    """eval_<name>.json in the checkpoint's run directory: above its checkpoints/ folder, else
+    the folder holding it (an export is a folder itself)."""
+    folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    folder = folder.parent if folder.name == "checkpoints" else folder
+    return folder / f"eval_{name}.json"
+
+
+def report(result: dict, out: Path) -> None:
+    """The table on stdout and the result as JSON in `out`."""
+    lines = [("checkpoint", f"{result['checkpoint']} ({result['kind']})"), ("data", result["data"])]
+    lines += [(label, form.format(result[key])) for label, key, form in ROWS if key in result]
+    width = max(len(label) for label, _ in lines)
+    for label, value in lines:
+        print(f"{label:<{width}}  {value}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {out}")
+
+
+def run(cfg: DictConfig) -> dict:
+    options = EvalConfig(batch_size=cfg.batch_size, out=cfg.out)  # before anything is loaded
+    device = pick_device(cfg.device)
+    checkpoint = find_checkpoint(cfg.ckpt, "best", "ckpt")
+    model, hparams = load_checkpoint(checkpoint)
+    kind = hparams.get("kind", "gpt")
+    config = data_config(cfg, KINDS[kind], hparams, str(checkpoint))
+    tokenizer = tokenizer_from_dict(hparams["tokenizer"])
+    score = score_gpt if kind == "gpt" else score_encdec
+    result = {"checkpoint": str(checkpoint), "kind": kind}
+    result |= score(model.to(device), tokenizer, config, options.batch_size, device)
+    result["data_config"] = asdict(config)
+    choice = HydraConfig.get().runtime.choices.get("data") or "val"
+    name = choice + ("_test" if getattr(config, "split", None) == "test" else "")
+    report(result, Path(options.out) if options.out else default_out(checkpoint, name))
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="evaluate")
+def main(cfg: DictConfig) -> None:
+    try:
+        exit_on_user_error(lambda: run(cfg))
+    except KeyboardInterrupt:  # Ctrl-C: no traceback
+        print(file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""evaluate.py end to end: it reproduces the validation metrics a run logged (GPT on the embedded
+plays and on a Hub dataset's own split, encoder-decoder on pairs), scores whole files and a Hub
+dataset's test split, and turns mistakes into one line."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data.lm import BPE_SPECIALS
+from data.lm_text import LMDataConfig
+from data.pairs import split_rows
+from data.seq2seq import SPECIALS
+from data.seq2seq_text import Seq2SeqDataConfig, collate_pairs
+from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
+from evaluate import score_encdec, score_gpt
+from helpers import (
+    BOS,
+    EOS,
+    PAD,
+    SMALLEST_BASE,
+    run_script,
+    sharpened,
+    tiny_encdec,
+    tiny_gpt,
+    train_run,
+    write_hub_dataset,
+)
+from model.checkpoint import load_checkpoint
+
+# One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.
+pytestmark = pytest.mark.xdist_group("evaluate_runs")
+
+# Ten steps, then one validation of every block: the val/loss evaluate.py must reproduce.
+FULL_VALIDATION = [
+    "trainer.max_steps=10",
+    "trainer.val_check_interval=10",
+    "trainer.limit_val_batches=1.0",
+    "logger=none",
+]
+TINY_ENCDEC = [
+    "model=encdec",
+    "model.n_encoder_layer=1",
+    "model.n_decoder_layer=1",
+    "model.n_embd=32",
+    "model.max_source_len=32",
+    "model.max_target_len=33",
+    "data=pairs",
+    "data.batch_size=8",
+    "trainer.num_sanity_val_steps=0",
+    "callbacks.attention_maps.sample_length=16",
+]
+WORDS = "the quick brown fox jumps over a lazy dog and cat".split()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory, cache) -> Path:
+    run_dir = tmp_path_factory.mktemp("gpt_run")
+    # Not the default val_fraction: evaluate.py must take the run's to score its validation text.
+    overrides = [*SMALLEST_BASE, *FULL_VALIDATION, "data.val_fraction=0.15"]
+    return train_run(run_dir, *overrides, cache_dir=cache)
+
+
+@pytest.fixture(scope="module")
+def hub_dataset(tmp_path_factory) -> Path:
+    """A dataset in the Hub's layout with train, validation and test splits of sentences."""
+    rng = np.random.default_rng(0)
+    rows = [" ".join(rng.choice(WORDS, 12)) + "." for _ in range(600)]
+    folder = tmp_path_factory.mktemp("hub") / "dataset"
+    return write_hub_dataset(
+        folder, {"train": rows[:400], "validation": rows[400:500], "test": rows[500:]}
+    )
+
+
+@pytest.fixture(scope="module")
+def hub_run(tmp_path_factory, cache, hub_dataset) -> Path:
+    run_dir = tmp_path_factory.mktemp("hub_run")
+    data = ["data=hub", f"data.name={hub_dataset}", "data.tokenizer=char", "data.num_proc=1"]
+    return train_run(run_dir, *SMALLEST_BASE, *data, *FULL_VALIDATION, cache_dir=cache)
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(0)
+    sources = [" ".join(rng.choice(WORDS, 4)) for _ in range(80)]
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    rows = [{"source": s, "target": s.upper()} for s in sources]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def encdec_run(tmp_path_factory, cache, pairs_file) -> Path:
+    run_dir = tmp_path_factory.mktemp("encdec_run")
+    overrides = [*TINY_ENCDEC, f"data.paths=[{pairs_file}]", *FULL_VALIDATION]
+    return train_run(run_dir, *overrides, cache_dir=cache)
+
+
+def evaluate(cache: Path, *overrides: str) -> dict:
+    """Run evaluate.py, check that it succeeded, and return the JSON it wrote."""
+    result = run_script("evaluate.py", *overrides, cache_dir=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = result.stdout.strip().splitlines()[-1].removeprefix("written to ")
+    return {**json.loads(Path(written).read_text()), "stdout": result.stdout, "out": written}
+
+
+def last_validation(run_dir: Path) -> dict:
+    history = json.loads((run_dir / "summary.json").read_text())["history"]
+    return [row for row in history if "val/loss" in row][-1]
+
+
+def test_bits_per_char_counts_the_characters_each_bpe_token_stands_for(tmp_path):
+    paragraphs = ["But soft, what light through yonder window breaks?"] * 12
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("\n\n".join(paragraphs))
+    tokenizer = BPETokenizer.train(paragraphs, 300, BPE_SPECIALS)
+    model = tiny_gpt(tokenizer.vocab_size)  # a 16-token block
+    config = LMDataConfig(
+        source="text_files", paths=[str(held_out)], block_size=16, cache_dir=str(tmp_path)
+    )
+    scored = score_gpt(model, tokenizer, config, batch_size=4, device=torch.device("cpu"))
+    windows = torch.tensor(tokenizer.encode("\n\n".join(paragraphs))).unfold(0, 17, 16)
+    with torch.no_grad():
+        _, loss = model(windows[:, :-1], windows[:, 1:])
+    chars = int(torch.tensor(tokenizer.token_char_counts())[windows[:, 1:]].sum())
+    assert scored["tokens"] == windows[:, 1:].numel() < chars == scored["characters"]
+    assert scored["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert scored["bits_per_char"] == pytest.approx(
+        loss.item() * scored["tokens"] / chars / math.log(2), rel=1e-5
+    )
+
+
+def test_encdec_loss_is_the_mean_over_every_target_token_whatever_the_batches(tmp_path):
+    rng = np.random.default_rng(0)
+    sources = [" ".join(rng.choice(WORDS, rng.integers(1, 4))) for _ in range(7)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"source": s, "target": s[::-1]}) + "\n" for s in sources))
+    tokenizer = CharTokenizer(sorted(set("".join(sources))), SPECIALS)
+    model = sharpened(tiny_encdec(tokenizer.vocab_size))  # losses that differ from pair to pair
+    config = Seq2SeqDataConfig(
+        task="pairs",
+        paths=[str(path)],
+        max_source_len=16,
+        max_target_len=16,
+        cache_dir=str(tmp_path),
+    )
+    scored = score_encdec(model, tokenizer, config, batch_size=3, device=torch.device("cpu"))
+    pairs = [(tokenizer.encode(s[:16]), tokenizer.encode(s[::-1][:15])) for s in sources]
+    batch = collate_pairs([(np.array(s), np.array(t)) for s, t in pairs], PAD, BOS, EOS)
+    with torch.no_grad():
+        _, loss = model(
+            *(batch[k] for k in ("source", "target_in", "source_mask", "target_mask")),
+            batch["target_out"],
+        )
+    assert scored["pairs"] == 7 and scored["tokens"] == sum(len(t) + 1 for _, t in pairs)
+    assert scored["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gpt_default_reproduces_the_runs_validation_of_the_plays(gpt_run, cache):
+    logged = last_validation(gpt_run)
+    scored = evaluate(cache, f"ckpt={gpt_run}")
+    assert scored["out"] == str(gpt_run / "eval_val.json")
+    assert scored["loss"] == pytest.approx(logged["val/loss"], rel=1e-4)
+    assert scored["bits_per_char"] == pytest.approx(logged["val/bits_per_char"], rel=1e-4)
+    assert scored["perplexity"] == pytest.approx(math.exp(scored["loss"]))
+    assert scored["tokens"] == scored["characters"] > 600_000  # one char a token, 15% of the plays
+    table = scored["stdout"]
+    assert "the embedded plays' validation split (data.val_fraction=0.15)" in table
+    assert f"loss        {scored['loss']:.4f} nats/token" in table
+    # +data.key=value changes the default data; the split it names is the one scored anyway.
+    again = evaluate(cache, f"ckpt={gpt_run}", "+data.split=validation", "batch_size=64")
+    assert again["loss"] == pytest.approx(scored["loss"], rel=1e-6)  # other batches, same sum
+
+
+@pytest.mark.slow
+def test_text_files_scores_every_block_of_the_files(gpt_run, cache, tmp_path):
+    paragraphs = ["ROMEO:\nBut soft, what light through yonder window breaks?"] * 7
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("\n\n".join(paragraphs) + "\n")
+    out = tmp_path / "scores.json"
+    options = ["data=text_files", f"data.paths=[{held_out}]", f"out={out}", "batch_size=5"]
+    scored = evaluate(cache, f"ckpt={gpt_run}", *options)  # batches of 5, 5 and 2 blocks
+    assert scored["out"] == str(out)
+    # The whole text, paragraphs joined as training joins documents, in blocks of 32 tokens.
+    model, hparams = load_checkpoint(gpt_run / "checkpoints" / "last.ckpt")
+    ids = tokenizer_from_dict(hparams["tokenizer"]).encode("\n\n".join(paragraphs))
+    windows = torch.tensor(ids).unfold(0, 33, 32)
+    assert scored["tokens"] == windows[:, 1:].numel() == (len(ids) - 1) // 32 * 32
+    with torch.no_grad():
+        _, loss = model(windows[:, :-1], windows[:, 1:])
+    assert scored["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert scored["data"] == "all of data.paths (1 file(s))"
+
+
+@pytest.mark.slow
+def test_hub_dataset_validation_and_test_splits(hub_run, hub_dataset, cache):
+    logged = last_validation(hub_run)
+    assert "data=hub: validating on the 'validation' split" in (hub_run / "stdout.txt").read_text()
+    hub = ["data=hub", f"data.name={hub_dataset}"]
+    validation = evaluate(cache, f"ckpt={hub_run}", *hub, "data.split=validation")
+    assert validation["loss"] == pytest.approx(logged["val/loss"], rel=1e-4)
+    assert validation["out"] == str(hub_run / "eval_hub.json")
+    test = evaluate(cache, f"ckpt={hub_run}", *hub, "data.split=test")
+    assert test["data"] == f"the 'test' split of {hub_dataset}"
+    assert test["out"] == str(hub_run / "eval_hub_test.json")
+    assert test["loss"] != validation["loss"]
+
+
+@pytest.mark.slow
+def test_encdec_reproduces_the_runs_validation_pairs(encdec_run, pairs_file, cache, tmp_path):
+    """Scored on exactly the pairs the run validated on (all of them decoded in one batch, as
+    training decodes them), the loss, exact match and CER are the run's."""
+    lines = pairs_file.read_text().splitlines()
+    _, val_rows = split_rows(len(lines), 0.1, seed=1234)
+    val_file = tmp_path / "val.jsonl"
+    val_file.write_text("".join(lines[i] + "\n" for i in val_rows))
+    logged = last_validation(encdec_run)
+    scored = evaluate(
+        cache, f"ckpt={encdec_run}", "data=pairs", f"data.paths=[{val_file}]", "batch_size=64"
+    )
+    assert scored["pairs"] == len(val_rows)
+    assert scored["loss"] == pytest.approx(logged["val/loss"], rel=1e-4)
+    assert scored["cer"] == pytest.approx(logged["val/cer"], abs=1e-9)
+    assert scored["exact_match"] == pytest.approx(logged["val/exact_match"], abs=1e-9)
+    assert "CER" in scored["stdout"] and "bits/char" not in scored["stdout"]
+    # Batches of 3, 3 and 2 pairs: the loss is still the mean over every target token.
+    uneven = evaluate(
+        cache, f"ckpt={encdec_run}", "data=pairs", f"data.paths=[{val_file}]", "batch_size=3"
+    )
+    assert uneven["loss"] == pytest.approx(logged["val/loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("run", "overrides", "message"),
+    [
+        ("gpt", ["data=pairs", "data.paths=[x.jsonl]"], r"data=pairs is data for the other kind "),
+        (
+            "encdec",
+            ["data=shakespeare_char"],
+            r"data=shakespeare_char is data for the other kind of model and .* is an "
+            r"encoder-decoder: score it on data=pairs",
+        ),
+        ("gpt", ["+data.split=test"], r"data.split=test: the embedded plays have no test split"),
+        ("gpt", ["+data.nope=1"], r"data.nope is not an option of the default data; its options"),
+        ("gpt", ["batch_size=0"], r"batch_size must be a positive integer, got 0"),
+        (
+            "gpt",
+            ["data=text_files", "data.paths=[{short}]", "data.block_size=64"],
+            r"data.block_size=64 is more than the checkpoint's model.block_size=32",
+        ),
+        (
+            "gpt",
+            ["data=text_files", "data.paths=[{short}]"],
+            r"all of data.paths \(1 file\(s\)\) has 21 tokens, fewer than one block of "
+            r"data.block_size=32 and the token after it",
+        ),
+    ],
+)
+def test_mistakes_are_one_line(request, cache, tmp_path, run, overrides, message):
+    short = tmp_path / "short.txt"
+    short.write_text("ROMEO:\nBut soft, what")
+    run_dir = request.getfixturevalue(f"{run}_run")
+    overrides = [o.format(short=short) for o in overrides]
+    result = run_script("evaluate.py", f"ckpt={run_dir}", *overrides, cache_dir=cache)
+    assert result.returncode == 1, result.stderr[-3000:]
+    # The error's line ends stderr; before it, only `datasets`' notes on reading the files.
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(message, last), last

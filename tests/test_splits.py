@@ -1,0 +1,166 @@
+"""How a corpus is split into train and val text: the tail of each document for the plays and for
+a corpus of few documents (one file of any shape), whole documents for a corpus of many, and a
+Hub dataset's own validation split when it has one."""
+
+import json
+
+import numpy as np
+import pytest
+
+from data.lm import LMDataModule
+from data.lm_text import LMDataConfig
+from data.sources import split_tail, splits_by_tail, tail_split
+from helpers import run_script, write_hub_dataset
+
+# Lines of one alphabet (no digits), so that the char tokenizer trained on any head has an id
+# for every character of the tail.
+WORDS = ["Hark", "Lo", "Fie", "Alas"]
+LINES = [
+    f"{WORDS[i % 4]}, the quick brown fox jumps over the lazy dog {WORDS[i // 10]}."
+    for i in range(40)
+]
+
+
+# One short paragraph (55 characters) whose every character occurs early on, so the char
+# tokenizer trained on its head keeps all of its tail.
+SHORT = "one two three one two three one two three one two three"
+
+
+def prepared(**options) -> LMDataModule:
+    module = LMDataModule(**{"block_size": 8, "batch_size": 4, **options})
+    module.prepare_data()
+    module.setup()
+    return module
+
+
+def split_text(module: LMDataModule, split: str) -> str:
+    return module.tokenizer.decode(np.asarray(module._split(split)).tolist())
+
+
+@pytest.mark.parametrize(
+    ("text", "head", "tail"),
+    [
+        ("One paragraph\n" * 5 + "\nEnd\n\n", "One paragraph\n" * 4 + "One paragraph", "End"),
+        ("a\nb\nc\nd\ne\nf\ng\nh\ni\nj\nk\n", "a\nb\nc\nd\ne\nf\ng\nh\ni\nj", "k"),  # no blank line
+        ("x" * 50, "x" * 45, "x" * 5),  # no line break at all: cut right at 90%
+        ("ab", "a", "b"),
+    ],
+)
+def test_split_tail_cuts_any_text_at_paragraph_then_line_then_anywhere(text, head, tail):
+    assert split_tail(text, 0.1) == (head, tail)
+
+
+def test_few_documents_are_split_at_their_tails_with_at_least_min_tail_characters():
+    assert splits_by_tail(iter(["doc"] * 9), 0.1)  # one in ten to val: nine give val none
+    assert not splits_by_tail(iter(["doc"] * 10), 0.1)
+    texts = ["a" * 100, "b" * 300]
+    assert tail_split(texts, 0.1) == [("a" * 90, "a" * 10), ("b" * 270, "b" * 30)]
+    # Tails of 40 characters are fewer than 60: each document gives its share of 60 instead.
+    assert tail_split(texts, 0.1, min_tail=60) == [("a" * 85, "a" * 15), ("b" * 255, "b" * 45)]
+
+
+def test_one_file_of_lines_splits_at_its_tail(tmp_path):
+    """One paragraph of single-newline lines is one document: it trains, its last lines validate."""
+    path = tmp_path / "poem.txt"
+    path.write_text("\n".join(LINES) + "\n")
+    module = prepared(source="text_files", paths=[str(path)], cache_dir=tmp_path)
+    val = split_text(module, "val")
+    # Cut at the first line break after 90% of the text: its last 3 lines of 40.
+    assert val == "\n".join(LINES[37:])
+    assert split_text(module, "train") == "\n".join(LINES[:37])
+
+
+def test_a_text_of_two_blocks_trains_and_a_shorter_one_says_so(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text(SHORT)
+    options = dict(source="text_files", paths=[str(path)], cache_dir=tmp_path)
+    module = prepared(**options)
+    # A 10% tail would be 6 characters, fewer than one block and the token after it: val gets 9.
+    assert split_text(module, "val") == "two three"
+    assert split_text(module, "train") + split_text(module, "val") == SHORT
+    # 55 characters hold two blocks of 26 and the token after each, not two of 27.
+    halves = prepared(**options, block_size=26)
+    assert (len(halves._split("train")), len(halves._split("val"))) == (28, 27)
+    with pytest.raises(
+        ValueError,
+        match=r"^data.block_size=27 needs at least 28 tokens but the train split has 27, and the "
+        r"whole text 55: it is shorter than two blocks \(one to train on, one to validate\); add "
+        r"text or lower data.block_size$",
+    ):
+        prepared(**options, block_size=27)
+
+
+def test_the_block_size_keys_a_text_files_entry_whose_split_it_decides(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text(SHORT)
+    options = dict(source="text_files", paths=[str(path)], cache_dir=tmp_path)
+    small, large = prepared(**options, block_size=8), prepared(**options, block_size=16)
+    assert small.cache_entry != large.cache_entry
+    assert (len(small._split("val")), len(large._split("val"))) == (9, 17)
+
+
+def test_few_paragraphs_give_each_ones_tail(tmp_path):
+    paragraphs = ["\n".join(LINES[i : i + 10]) for i in range(0, 40, 10)]
+    path = tmp_path / "four.md"
+    path.write_text("\n\n".join(paragraphs) + "\n")
+    module = prepared(source="text_files", paths=[str(path)], cache_dir=tmp_path)
+    tails = [p.split("\n")[-1] for p in paragraphs]  # the last line of each is its last 10%
+    assert split_text(module, "val") == "\n\n".join(tails)
+    meta = json.loads((module.cache_entry / "meta.json").read_text())
+    assert meta["val_carved"] is True
+
+
+def test_split_is_evaluate_py_s_option_and_training_says_so(tmp_path):
+    with pytest.raises(ValueError, match=r"data.split=validation picks the split evaluate.py"):
+        LMDataModule(cache_dir=str(tmp_path), split="validation")
+    with pytest.raises(ValueError, match=r"data.split must be one of \['validation', 'test'\]"):
+        LMDataConfig(split="dev")
+    with pytest.raises(ValueError, match=r"data.split=test: the embedded plays have no test split"):
+        LMDataConfig(split="test")
+    with pytest.raises(ValueError, match=r"data.val_split is only read by source=hub"):
+        LMDataModule(cache_dir=str(tmp_path), val_split="validation")
+
+
+# --- A dataset in the Hub's layout, on disk -----------------------------------------------------
+
+
+HUB_ROWS = [f"Row {i}: {LINES[i % 40]}" for i in range(300)]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hub_dataset_validates_on_its_own_validation_split(tmp_path, capsys, streaming):
+    folder = write_hub_dataset(
+        tmp_path / "hub", {"train": HUB_ROWS[:200], "validation": HUB_ROWS[200:230]}
+    )
+    module = prepared(source="hub", name=str(folder), cache_dir=tmp_path, streaming=streaming)
+    assert f"data=hub: validating on the 'validation' split of {folder}" in capsys.readouterr().out
+    assert split_text(module, "train") == "\n\n".join(HUB_ROWS[:200])
+    assert split_text(module, "val") == "\n\n".join(HUB_ROWS[200:230])
+
+
+def test_hub_dataset_without_one_is_carved_and_a_named_split_is_checked(tmp_path, capsys):
+    folder = write_hub_dataset(tmp_path / "hub", {"train": HUB_ROWS[:200], "test": HUB_ROWS[200:]})
+    module = prepared(source="hub", name=str(folder), cache_dir=tmp_path, val_fraction=0.1)
+    out = capsys.readouterr().out
+    assert f"validating on data.val_fraction=0.1 of the train split of {folder}" in out
+    assert split_text(module, "val") == "\n\n".join(HUB_ROWS[9:200:10])  # one row in ten
+    named = prepared(source="hub", name=str(folder), cache_dir=tmp_path, val_split="test")
+    assert split_text(named, "val") == "\n\n".join(HUB_ROWS[200:])
+    assert named.cache_entry != module.cache_entry
+    with pytest.raises(
+        ValueError,
+        match=r"data.val_split: .* has no split named 'dev'; its splits are \['train', 'test'\]",
+    ):
+        prepared(source="hub", name=str(folder), cache_dir=tmp_path, val_split="dev")
+
+
+@pytest.mark.slow
+def test_train_py_with_data_split_is_one_line_not_a_type_error(tmp_path):
+    for overrides in (["+data.split=validation"], ["data=hub", "data.name=x", "data.split=test"]):
+        result = run_script("train.py", *overrides, f"hydra.run.dir={tmp_path}", cache_dir=tmp_path)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert result.stderr.strip().splitlines() == [
+            f"error: {overrides[-1].lstrip('+')} picks the split evaluate.py scores; training "
+            "trains on the train split and validates on data.val_split (data=hub: its own "
+            "validation split by default), or on data.val_fraction of the text"
+        ]
