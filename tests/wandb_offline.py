@@ -69,24 +69,25 @@ def history(run_dir: Path) -> list[dict]:
     return rows
 
 
-def config(run_dir: Path) -> dict:
-    """The run's config as logged (nested keys joined the way W&B stores them)."""
+def _updates(run_dir: Path, record_type: str) -> dict:
+    """Every key set by the run's `record_type` records, the last value of each (nested keys
+    joined the way W&B stores them)."""
     values = {}
     for record in records(run_file(run_dir)):
-        if record.WhichOneof("record_type") == "config":
-            for item in record.config.update:
+        if record.WhichOneof("record_type") == record_type:
+            for item in getattr(record, record_type).update:
                 values[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return values
+
+
+def config(run_dir: Path) -> dict:
+    """The run's config as logged."""
+    return _updates(run_dir, "config")
 
 
 def summary(run_dir: Path) -> dict:
-    """The run's summary as W&B last recorded it (nested keys joined the way W&B stores them)."""
-    values = {}
-    for record in records(run_file(run_dir)):
-        if record.WhichOneof("record_type") == "summary":
-            for item in record.summary.update:
-                values[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-    return values
+    """The run's summary as W&B last recorded it."""
+    return _updates(run_dir, "summary")
 
 
 def run_info(run_dir: Path) -> dict:
