@@ -168,7 +168,7 @@ def check_same_logits(model: GPT, gpt2: torch.nn.Module, vocab_size: int) -> Non
 def export(options: ExportOptions) -> Path:
     """Write the export of options.ckpt to options.out; return the checkpoint exported."""
     checkpoint = find_checkpoint(options.ckpt, "best", "ckpt")
-    out = Path(options.out).expanduser()
+    out = Path(options.out).expanduser().resolve()  # out=. has no name to put a sibling by
     check_out(out, checkpoint, options.overwrite)
     model, hparams = load_checkpoint(checkpoint)
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])
@@ -229,7 +229,7 @@ def run(cfg: DictConfig) -> None:
         )
     options = ExportOptions(**OmegaConf.to_container(cfg, resolve=True))
     checkpoint = export(options)
-    out = Path(options.out).expanduser()
+    out = Path(options.out).expanduser().resolve()  # out=. has no name to put a sibling by
     sizes = f"{readable_size(size(checkpoint))} -> {readable_size(size(out))}"
     print(f"exported {checkpoint} to {out}/ ({sizes}):")
     for name in sorted(EXPORT_FILES):

@@ -134,9 +134,9 @@ def plot_loss_vs_values(jobs: list[dict], swept: list[str], path: Path) -> None:
 
 
 def plot_loss_curves(jobs: list[dict], swept: list[str], path: Path) -> None:
-    """Every completed job's val loss (solid) and train loss (faint), against the step and
-    against wall time since fitting started (what a budget in minutes buys)."""
-    done = [j for j in jobs if j["status"] == "completed"]
+    """Every completed or pruned job's val loss (solid) and train loss (faint), against the step
+    and against wall time since fitting started (what a budget in minutes buys)."""
+    done = [j for j in jobs if j["status"] in ("completed", "pruned")]
     timed = any("time" in row for job in done for row in job.get("history", []))
     xs = ("step", "time") if timed else ("step",)  # summaries before "time" was recorded
     figure, axes = plt.subplots(1, len(xs), figsize=(6 * len(xs), 4.2), sharey=True, squeeze=False)

@@ -57,8 +57,10 @@ def dimension(override: Override) -> Dimension:
     sweep = override.value()
     if not isinstance(sweep, IntervalSweep):
         raise ValueError(f"{key}: the Optuna sweeper takes choice(), range() or interval()")
-    integer = isinstance(sweep.start, int) and isinstance(sweep.end, int)
-    return Dimension(key, low=sweep.start, high=sweep.end, log="log" in sweep.tags, integer=integer)
+    # Hydra reads interval()'s bounds as floats: tag(int, interval(1, 8)) asks for integers.
+    integer = "int" in sweep.tags
+    low, high = (int(sweep.start), int(sweep.end)) if integer else (sweep.start, sweep.end)
+    return Dimension(key, low=low, high=high, log="log" in sweep.tags, integer=integer)
 
 
 def divisors_name(key: str, target: str, value: str) -> str:
@@ -68,6 +70,8 @@ def divisors_name(key: str, target: str, value: str) -> str:
 
 
 class OptunaSweeper(Sweeper):
+    """Runs `n_trials` trials of an Optuna study, one Hydra job each (see the module's notes)."""
+
     def __init__(
         self,
         direction: str,
@@ -114,7 +118,10 @@ class OptunaSweeper(Sweeper):
                 fixed[key] = f"{key}={override.get_value_element_as_str()}"
         for key, target in self.divides.items():
             if key in swept and target not in swept and target not in fixed:
-                raise ValueError(f"hydra.sweeper.divides: {key} divides {target}, which is unset")
+                raise ValueError(
+                    f"hydra.sweeper.divides: {key} must divide {target}, which is neither swept "
+                    f"nor given; sweep it or give it, e.g. {target}=4"
+                )
         ordered = sorted(swept.values(), key=lambda d: d.key in self.divides)
         return list(fixed.values()), ordered
 
@@ -159,11 +166,15 @@ class OptunaSweeper(Sweeper):
         failures = []
         for _ in range(self.n_trials - ended_trials(study)):
             trial = study.ask()
-            params = self.suggest(trial, fixed, space)
-            overrides = fixed + [f"{key}={value}" for key, value in params.items()]
+            try:  # a space or config that cannot make a job ends the search, its trial failed
+                params = self.suggest(trial, fixed, space)
+                overrides = fixed + [f"{key}={value}" for key, value in params.items()]
+                self.validate_batch_is_legal([overrides])
+            except Exception:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                raise
             trial.set_user_attr(PARAMS, params)
             trial.set_user_attr(OVERRIDES, overrides)
-            self.validate_batch_is_legal([overrides])
             with running_trial(trial):
                 (result,) = self.launcher.launch([overrides], initial_job_idx=trial.number)
             try:

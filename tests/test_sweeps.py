@@ -139,6 +139,17 @@ def test_optuna_space_draws_n_kv_head_among_the_divisors_of_n_head():
     assert pairs == valid
 
 
+def test_optuna_interval_tagged_int_draws_integers():
+    (override,) = OverridesParser.create().parse_overrides(
+        ["model.n_layer=tag(int, interval(1, 8))"]
+    )
+    drawn = dimension(override)
+    assert drawn.integer and (drawn.low, drawn.high) == (1, 8)
+    trial = optuna.create_study().ask()
+    values = OptunaSweeper("minimize", 1, None, None).suggest(trial, [], [drawn])
+    assert values["model.n_layer"] in {str(n) for n in range(1, 9)}
+
+
 # Each trial: no attention search but dropout (1.5 is invalid) and the learning rate (1e-9 does not
 # learn, and a threshold pruner stops it at its first validation).
 TRIAL = [*JOB, "optim.warmup_steps=0", "logger=csv", "model.attention.n_head=1"]

@@ -30,9 +30,9 @@ _runs_started = 0
 class RunHistory(L.Callback):
     """Rows of {"step", "time", "train/...": value} every `trainer.log_every_n_steps` steps and
     of {"step", "time", "val/...": value} after every validation (sanity checks excluded);
-    "time" is wall seconds of fitting. Also the seconds from the run's start (the process's,
-    for the first run in a process) to the end of the first optimizer step: the start-up cost a
-    user waits through.
+    "time" is wall seconds of fitting. Also the seconds from the process's start (for a later
+    sweep job in the same process, from this callback's creation, when its trainer is built) to
+    the end of the first optimizer step: the start-up cost a user waits through.
 
     The rows travel in checkpoints, so a resumed run's history is the interrupted run's up to
     the checkpoint, then its own: no gap, no repeated step, and time carries on.
