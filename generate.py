@@ -26,6 +26,7 @@ from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
 from model.generation import beam_search, decode_greedy_or_sample, decoding_ids
 from model.gpt import GPT
+from model.inspect import plot_heads, record_attention, self_attention_figure, token_labels
 from model.sampling import SEPARATOR, SamplingConfig, encode, stream_samples
 
 if TYPE_CHECKING:  # matplotlib loads when a figure is drawn
@@ -173,8 +174,6 @@ def continue_prompt(
     if config.attention_plot:
         prompt = encode(tokenizer, config.prompt, "prompt")
         ids = (prompt + outputs[0])[-model.config.block_size :]  # what the model can read
-        from model.inspect import self_attention_figure  # matplotlib: only when plotting
-
         boundary = max(0, len(ids) - len(outputs[0]))  # the first generated token
         title = f"self-attention: prompt ({len(prompt)} tokens), continuation ({len(outputs[0])})"
         figure = self_attention_figure(
@@ -192,16 +191,10 @@ def save_cross_attention(
     device = next(model.parameters()).device
     source = torch.tensor([source_ids], device=device)
     target = torch.tensor([target_in], device=device)
-    from model.inspect import plot_heads, record_attention  # matplotlib: only when plotting
-
     records = record_attention(model, lambda: model(source, target))
     cross = [r for r in records if r.name.endswith("cross_attn")]
     labels = token_labels(tokenizer, target_in), token_labels(tokenizer, source_ids)
     save_figure(plot_heads(cross, *labels, "cross-attention"), path, "cross-attention map")
-
-
-def token_labels(tokenizer, ids: list[int]) -> list[str]:
-    return [tokenizer.decode([i], skip_special=False) for i in ids]
 
 
 def save_figure(figure: "Figure", path: str, what: str) -> None:

@@ -5,6 +5,7 @@ built from are data/lm_text.py's and data/sources.py's."""
 
 import hashlib
 import json
+from collections.abc import Iterator
 from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,10 +89,9 @@ def _encoded_features() -> "datasets.Features":
     )
 
 
-def _texts(corpus, column: str):
-    """The non-empty strings of `column`, streamed batch by batch."""
-    for batch in corpus.iter(batch_size=BATCH_ROWS):
-        yield from (text for text in batch[column] if text)
+def _texts(corpus, column: str) -> Iterator[str]:
+    """The non-empty strings of `column`, streamed."""
+    return (text for text in texts_of(corpus, column) if text)
 
 
 class LMDataModule(CachedDataModule):
@@ -193,7 +193,8 @@ class LMDataModule(CachedDataModule):
         # memory, as they are few. A corpus of many documents gives whole ones to val, which a
         # stream can decide one document at a time.
         if c.source == "shakespeare" or splits_by_tail(docs, c.val_fraction):
-            heads, tails = zip(*tail_split(texts_of(docs), c.val_fraction, min_tail), strict=True)
+            texts = list(texts_of(docs))
+            heads, tails = zip(*tail_split(texts, c.val_fraction, min_tail), strict=True)
             return datasets.Dataset.from_dict({"train": heads, "val": tails}), True
         split = partial(_split_rows, val_fraction=c.val_fraction)
         return self._map(docs, split, "split", with_indices=True, remove_columns=["text"]), True

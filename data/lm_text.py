@@ -4,6 +4,7 @@ and the (x, y) blocks cut from a stream. data/lm.py builds the training streams 
 """
 
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -202,9 +203,12 @@ class TokenBlocks(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def texts_of(ds: "datasets.Dataset | datasets.IterableDataset") -> list[str]:
-    """The "text" column of a dataset, read batch by batch."""
-    return [text for batch in ds.iter(batch_size=BATCH_ROWS) for text in batch["text"]]
+def texts_of(
+    ds: "datasets.Dataset | datasets.IterableDataset", column: str = "text"
+) -> Iterator[str]:
+    """The strings of a dataset's `column`, read batch by batch (a stream, as it comes)."""
+    for batch in ds.iter(batch_size=BATCH_ROWS):
+        yield from batch[column]
 
 
 # --- What evaluate.py scores ---------------------------------------------------------------------
@@ -241,7 +245,7 @@ def eval_documents(c: LMDataConfig) -> tuple[list[str], str]:
     name, shown = hub_val_split(splits, c.val_split, c.val_fraction, title)
     if name is not None:
         return _whole(hub_text(splits, name, c.text_column, title, "data.val_split")), shown
-    train = texts_of(hub_text(splits, "train", c.text_column, title, "data.name"))
+    train = list(texts_of(hub_text(splits, "train", c.text_column, title, "data.name")))
     if splits_by_tail(train, c.val_fraction):
         return [tail for _, tail in tail_split(train, c.val_fraction)], shown
     return [whole_split(text, i, c.val_fraction)[1] for i, text in enumerate(train)], shown

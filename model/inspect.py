@@ -81,6 +81,12 @@ def token_label(text: str) -> str:
     return {"\n": "\\n", " ": "␣", "\t": "\\t"}.get(text, text)
 
 
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    """Each id's text, special tokens included: a figure's axis labels. `tokenizer` is any
+    object with data.tokenizer's decode(ids, skip_special=...)."""
+    return [tokenizer.decode([i], skip_special=False) for i in ids]
+
+
 def plot_heads(
     records: list[AttentionRecord],
     query_labels: list[str] | None,

@@ -22,6 +22,7 @@ from errors import check_field_types, check_int
 from model.checkpoint import build_model
 from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
+from model.inspect import token_labels
 from training.guard import TrainingDiverged, UpdateGuard, check_nonfinite_action
 
 # query labels and key labels of an attention map, by the map's name
@@ -252,9 +253,6 @@ class TrainingModule(L.LightningModule):
         schedule = {"scheduler": scheduler, "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
-    def token_labels(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special=False) for i in ids]
-
 
 class LanguageModelModule(TrainingModule):
     """Next-token prediction with the GPT; batches are (x, y) blocks. Validation also reports
@@ -288,7 +286,7 @@ class LanguageModelModule(TrainingModule):
 
     def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
         sample = datamodule.val_sample(min(length, self.model.config.block_size)).to(self.device)
-        labels = self.token_labels(sample.tolist())
+        labels = token_labels(self.tokenizer, sample.tolist())
         return (lambda: self.model.forward(sample[None])), (lambda name: (labels, labels))
 
 
@@ -365,8 +363,8 @@ class Seq2SeqModule(TrainingModule):
         target_in = [self.tokenizer.bos_id, *target_ids[: length - 1]]
         source = torch.tensor([source_ids], device=self.device)
         target = torch.tensor([target_in], device=self.device)
-        source_labels = self.token_labels(source_ids)
-        target_labels = self.token_labels(target_in)
+        source_labels = token_labels(self.tokenizer, source_ids)
+        target_labels = token_labels(self.tokenizer, target_in)
 
         def labels_for(name: str) -> tuple[list[str], list[str]]:
             if name.startswith("encoder"):
