@@ -87,7 +87,7 @@ def attention_step(path: str, device: torch.device, shape: Shape):
 
     def bare_sdpa(x: torch.Tensor) -> torch.Tensor:
         # The module's own projections, so only the attention in between differs.
-        q, k, v = mha.q_proj(x), mha.k_proj(x), mha.v_proj(x)
+        q, k, v = mha.qkv_proj(x).chunk(3, dim=-1)
         split = [t.view(batch, -1, heads, width // heads).transpose(1, 2) for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*split, is_causal=True)
         return mha.out_proj(out.transpose(1, 2).reshape(batch, -1, width))

@@ -106,6 +106,25 @@ def scaled_dot_product_attention(
     return dropped @ v, weights
 
 
+# On the CPU, torch's fused kernel is 3-5x slower in bf16 than in fp32 for heads narrower than
+# this (its backward above all), and no slower from this width on: bench/cpu_attention_dtype.py.
+CPU_REDUCED_PRECISION_MIN_HEAD_DIM = 64
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+    """F.scaled_dot_product_attention, but in fp32 for narrow bf16/fp16 heads on the CPU, where
+    that is the faster kernel (autocast off around it, or it would cast back to bf16)."""
+    narrow = q.size(-1) < CPU_REDUCED_PRECISION_MIN_HEAD_DIM
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16) or not narrow:
+        return F.scaled_dot_product_attention(q, k, v, **options)
+    mask = options.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        options["attn_mask"] = mask.float()
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **options)
+    return out.to(q.dtype)
+
+
 def _sequence_in_blocks(x: Tensor, block: int) -> Tensor:
     """x (B, H, T, D) as (B, T', H, D), zeros after T up to a multiple T' of `block`. That is the
     projections' memory layout, so without padding this is a view."""
@@ -196,7 +215,7 @@ def local_attention(
         bias = -alibi_slopes[:, None, None] * distance.abs()
         mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))  # (B·nb, H, block, K)
 
-    out = F.scaled_dot_product_attention(
+    out = fused_attention(
         q_blocks, k_windows, v_windows, attn_mask=mask, dropout_p=dropout_p, scale=scale
     )
     out = out.transpose(1, 2).reshape(batch, n_blocks * block, n_head, head_dim)
@@ -339,7 +358,7 @@ class KVCache:
 class MultiHeadAttention(nn.Module):
     """Multi-head self- or cross-attention with grouped key/value heads.
 
-    x (B, Tq, C) attends to itself, or to `context` (B, Tk, Cc) for cross-attention.
+    x (B, Tq, C) attends to itself, or, built with a `context_dim` Cc, to `context` (B, Tk, Cc).
     `causal` lets position i see keys j <= i only; `window` W keeps the last W keys
     (|i - j| < W without causality); `position` "rope" or "alibi" adds relative position
     inside attention. Returns (output (B, Tq, C), weights (B, H, Tq, Tk) or None).
@@ -370,10 +389,17 @@ class MultiHeadAttention(nn.Module):
         self.scale = config.scale_for(self.head_dim)
         self.causal = causal
         self.window = config.window
-        context_dim = context_dim or d_model
-        self.q_proj = nn.Linear(d_model, self.n_head * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(context_dim, self.n_kv_head * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(context_dim, self.n_kv_head * self.head_dim, bias=bias)
+        # Self-attention projects queries, keys and values out of x in one matmul: one kernel
+        # where three would run, forward and backward, which small models feel. Cross-attention
+        # projects queries out of x, and keys and values together out of the context.
+        self.is_cross = context_dim is not None
+        kv_width = self.n_kv_head * self.head_dim
+        self.widths = (self.n_head * self.head_dim, kv_width, kv_width)  # q, k, v
+        if self.is_cross:
+            self.q_proj = nn.Linear(d_model, self.widths[0], bias=bias)
+            self.kv_proj = nn.Linear(context_dim, sum(self.widths[1:]), bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, sum(self.widths), bias=bias)
         self.out_proj = nn.Linear(self.n_head * self.head_dim, d_model, bias=bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(resid_dropout)
@@ -382,6 +408,19 @@ class MultiHeadAttention(nn.Module):
             self.register_buffer("alibi_slopes", alibi_slopes(self.n_head), persistent=False)
         else:
             self.alibi_slopes = None
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        # Checkpoints written before the projections were joined hold q_proj, k_proj and v_proj
+        # apart: join them the same way, so that those checkpoints load as they are.
+        for kind in ("weight", "bias"):
+            q, k, v = (f"{prefix}{name}_proj.{kind}" for name in "qkv")
+            if k in state_dict and v in state_dict:
+                kv = torch.cat((state_dict.pop(k), state_dict.pop(v)))
+                if self.is_cross:
+                    state_dict[f"{prefix}kv_proj.{kind}"] = kv
+                elif q in state_dict:
+                    state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat((state_dict.pop(q), kv))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _split_heads(self, x: Tensor, n_head: int) -> Tensor:
         batch, length, _ = x.shape
@@ -396,22 +435,28 @@ class MultiHeadAttention(nn.Module):
         For cross-attention with RoPE, queries sit at target positions from query_offset and
         keys at source positions from 0, so scores depend on the offset between the two.
         """
-        q = self._split_heads(self.q_proj(x), self.n_head)
+        if (context is not None) != self.is_cross:
+            raise ValueError(
+                "cross-attention needs a context and self-attention takes none: a "
+                "MultiHeadAttention built with context_dim is cross-attention"
+            )
         if context is not None:  # cross-attention: keys come from another sequence
+            q = self._split_heads(self.q_proj(x), self.n_head)
             if self.rope is not None:
                 q = self.rope(q, query_offset)
             if cache is not None and cache.length:
                 return q, cache.keys, cache.values, 0, None
-            k = self._split_heads(self.k_proj(context), self.n_kv_head)
-            v = self._split_heads(self.v_proj(context), self.n_kv_head)
+            k, v = self.kv_proj(context).chunk(2, dim=-1)
+            k, v = self._split_heads(k, self.n_kv_head), self._split_heads(v, self.n_kv_head)
             if self.rope is not None:
                 k = self.rope(k)
             if cache is not None:
                 k, v, _ = cache.append(k, v)
             return q, k, v, 0, None
         offset = cache.length if cache is not None else 0
-        k = self._split_heads(self.k_proj(x), self.n_kv_head)
-        v = self._split_heads(self.v_proj(x), self.n_kv_head)
+        q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
+        q = self._split_heads(q, self.n_head)
+        k, v = self._split_heads(k, self.n_kv_head), self._split_heads(v, self.n_kv_head)
         if self.rope is not None:
             q, k = self.rope(q, offset), self.rope(k, offset)
         k_pos = None
@@ -504,7 +549,7 @@ class MultiHeadAttention(nn.Module):
             mask = self._mask(q_len, k_len, offset, key_padding_mask, attn_mask, x.device, k_pos)
             out, weights = scaled_dot_product_attention(q, k, v, mask, self.scale, dropout_p)
         elif self._is_plain_causal(q_len, k_len, key_padding_mask, attn_mask):
-            out = F.scaled_dot_product_attention(
+            out = fused_attention(
                 q,
                 repeat_kv(k, self.n_head),
                 repeat_kv(v, self.n_head),
@@ -526,7 +571,7 @@ class MultiHeadAttention(nn.Module):
             )
         else:
             mask = self._mask(q_len, k_len, offset, key_padding_mask, attn_mask, x.device, k_pos)
-            out = F.scaled_dot_product_attention(
+            out = fused_attention(
                 q,
                 repeat_kv(k, self.n_head),
                 repeat_kv(v, self.n_head),

@@ -116,6 +116,7 @@ class Block(nn.Module):
                 position=cross_position,
                 bias=config.bias,
                 resid_dropout=config.dropout,
+                context_dim=config.n_embd,
             )
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config.n_embd, config.mlp_ratio * config.n_embd, config.dropout, config.bias)

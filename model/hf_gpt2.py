@@ -77,11 +77,10 @@ def _layout(n_layer: int) -> list[tuple[tuple[str, ...], str, bool]]:
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
         for kind in ("weight", "bias"):
             linear = kind == "weight"
-            qkv = tuple(f"{ours}attn.{name}_proj.{kind}" for name in "qkv")
             pairs += [
                 ((f"{ours}ln_1.{kind}",), f"{theirs}ln_1.{kind}", False),
                 ((f"{ours}ln_2.{kind}",), f"{theirs}ln_2.{kind}", False),
-                (qkv, f"{theirs}attn.c_attn.{kind}", linear),
+                ((f"{ours}attn.qkv_proj.{kind}",), f"{theirs}attn.c_attn.{kind}", linear),
                 ((f"{ours}attn.out_proj.{kind}",), f"{theirs}attn.c_proj.{kind}", linear),
                 ((f"{ours}mlp.fc.{kind}",), f"{theirs}mlp.c_fc.{kind}", linear),
                 ((f"{ours}mlp.proj.{kind}",), f"{theirs}mlp.c_proj.{kind}", linear),

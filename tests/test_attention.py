@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import tiny_encdec, tiny_gpt
 from model.attention import (
     AttentionConfig,
     KVCache,
@@ -499,10 +500,8 @@ def torch_twin(mha: MultiHeadAttention) -> nn.MultiheadAttention:
     """A torch.nn.MultiheadAttention holding the same weights as our (plain MHA) module."""
     reference = nn.MultiheadAttention(D_MODEL, mha.n_head, batch_first=True).eval()
     with torch.no_grad():
-        reference.in_proj_weight.copy_(
-            torch.cat((mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight))
-        )
-        reference.in_proj_bias.copy_(torch.cat((mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias)))
+        reference.in_proj_weight.copy_(mha.qkv_proj.weight)  # q, k, v stacked, as ours
+        reference.in_proj_bias.copy_(mha.qkv_proj.bias)
         reference.out_proj.weight.copy_(mha.out_proj.weight)
         reference.out_proj.bias.copy_(mha.out_proj.bias)
     return reference
@@ -513,7 +512,7 @@ def test_matches_torch_multihead_attention(case):
     causal = case.startswith("causal")
     mha = make_mha(causal=causal)
     with torch.no_grad():  # non-zero biases, so that a mix-up of the bias slices shows
-        for proj in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj):
+        for proj in (mha.qkv_proj, mha.out_proj):
             proj.bias.normal_()
     reference = torch_twin(mha)
     x = torch.randn(3, 6, D_MODEL)
@@ -534,3 +533,80 @@ def test_matches_torch_multihead_attention(case):
     torch.testing.assert_close(fused, expected, **TOL)
     torch.testing.assert_close(math_out, expected, **TOL)
     torch.testing.assert_close(weights, expected_weights, **TOL)
+
+
+# --------------------------------------------------------------------------- joined projections
+
+
+def separate_projections(state: dict) -> dict:
+    """A state dict in the layout of checkpoints written before q, k and v were joined: self-
+    attention's qkv_proj and cross-attention's kv_proj split back into q_proj, k_proj, v_proj."""
+    old = {}
+    for name, tensor in state.items():
+        head, _, kind = name.rpartition(".")
+        if head.endswith("attn.qkv_proj"):
+            base = head.removesuffix("qkv_proj")
+            q, k, v = tensor.chunk(3)
+            old |= {f"{base}q_proj.{kind}": q, f"{base}k_proj.{kind}": k, f"{base}v_proj.{kind}": v}
+        elif head.endswith("attn.kv_proj"):
+            base = head.removesuffix("kv_proj")
+            k, v = tensor.chunk(2)
+            old |= {f"{base}k_proj.{kind}": k, f"{base}v_proj.{kind}": v}
+        else:
+            old[name] = tensor
+    return old
+
+
+@pytest.mark.parametrize("kind", ["gpt", "encdec"])
+@torch.no_grad()
+def test_checkpoints_with_separate_q_k_v_projections_load_unchanged(kind):
+    make = (lambda: tiny_gpt(11, "rope")) if kind == "gpt" else (lambda: tiny_encdec(11, "rope"))
+    torch.manual_seed(0)
+    model = make().eval()
+    old_state = separate_projections(model.state_dict())
+    assert any(name.endswith("attn.k_proj.weight") for name in old_state)
+    torch.manual_seed(1)
+    loaded = make().eval()
+    loaded.load_state_dict(old_state)  # strict: every key used, none missing
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_self_and_cross_attention_refuse_each_others_calls():
+    x = torch.randn(2, 5, D_MODEL)
+    with pytest.raises(ValueError, match="built with context_dim is cross-attention"):
+        make_mha()(x, torch.randn(2, 4, D_MODEL))
+    with pytest.raises(ValueError, match="cross-attention needs a context"):
+        make_mha(context_dim=12)(x)
+
+
+# --------------------------------------------------------------------------- reduced precision
+
+
+@pytest.mark.parametrize("case", ["causal", "alibi"])
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_bf16_attention_on_the_cpu_matches_fp32(case, head_dim, monkeypatch):
+    """Under bf16 autocast narrow heads run the fused kernel in fp32 on the CPU (its faster
+    kernel there), wide ones in bf16; both give the fp32 result to bf16 precision, with a
+    bf16 output and gradients for every parameter."""
+    kernel_dtypes = []
+    fused = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        kernel_dtypes.append(q.dtype)
+        return fused(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    torch.manual_seed(0)
+    config = AttentionConfig(n_head=2)
+    position = "alibi" if case == "alibi" else "none"
+    mha = MultiHeadAttention(2 * head_dim, config, causal=True, position=position)
+    x = torch.randn(2, 9, 2 * head_dim)
+    expected, _ = mha(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        out, _ = mha(x)
+    assert out.dtype == torch.bfloat16
+    assert kernel_dtypes == [torch.float32, torch.float32 if head_dim < 64 else torch.bfloat16]
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in mha.parameters())

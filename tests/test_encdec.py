@@ -208,21 +208,20 @@ def test_cross_attention_projects_the_memory_once_per_decode():
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 7))
     memory = model.encode(source, mask)
     layers = model.decoder
-    k_counts, handles = count_calls([block.cross_attn.k_proj for block in layers])
-    v_counts, more = count_calls([block.cross_attn.v_proj for block in layers])
-    q_counts, even_more = count_calls([block.cross_attn.q_proj for block in layers])
-    handles += more + even_more
+    kv_counts, handles = count_calls([block.cross_attn.kv_proj for block in layers])
+    q_counts, more = count_calls([block.cross_attn.q_proj for block in layers])
+    handles += more
     try:
         cache = model.new_cache(source.size(1))
         for t in range(target_in.size(1)):
             model.decode(target_in[:, t : t + 1], memory, mask, cache=cache)
         assert q_counts == [7, 7]  # a query per step...
-        assert k_counts == [1, 1] and v_counts == [1, 1]  # ...but keys and values once
+        assert kv_counts == [1, 1]  # ...but keys and values once
 
-        k_counts[:] = v_counts[:] = [0, 0]
+        kv_counts[:] = [0, 0]
         for t in range(1, target_in.size(1) + 1):  # without a cache: every step re-projects
             model.decode(target_in[:, :t], memory, mask)
-        assert k_counts == [7, 7] and v_counts == [7, 7]
+        assert kv_counts == [7, 7]
 
         # Beam search runs two decodes, the beam's and greedy's (which competes with it).
         for decode, extra, passes in (
@@ -230,10 +229,10 @@ def test_cross_attention_projects_the_memory_once_per_decode():
             (beam_search, {"beam_size": 1}, 1),
             (beam_search, {"beam_size": 3}, 2),
         ):
-            k_counts[:] = q_counts[:] = [0, 0]
+            kv_counts[:] = q_counts[:] = [0, 0]
             decode(model, source, mask, bos_id=BOS, eos_id=EOS, max_new_tokens=6, **extra)
             assert q_counts[0] > passes, decode.__name__  # several steps were taken
-            assert k_counts == [passes, passes], (decode.__name__, extra)
+            assert kv_counts == [passes, passes], (decode.__name__, extra)
     finally:
         for handle in handles:
             handle.remove()

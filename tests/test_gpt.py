@@ -58,7 +58,7 @@ def test_last_position_sees_earlier_tokens_as_a_set_only_without_positions(posit
     model = tiny_gpt(VOCAB, position, n_layer=1)
     with torch.no_grad():  # make the positional signals large enough to matter clearly
         for block in model.blocks:
-            block.attn.q_proj.weight.mul_(10)
+            block.attn.qkv_proj.weight.mul_(10)
     idx = torch.randint(VOCAB, (3, 10))
     perm = torch.cat((torch.randperm(9), torch.tensor([9])))
     assert not torch.equal(perm, torch.arange(10))
@@ -126,9 +126,9 @@ def test_initialisation_std():
     for block in model.blocks:
         assert block.attn.out_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
         assert block.mlp.proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
-        assert block.attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        assert block.attn.qkv_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
         assert block.mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
-        assert (block.attn.q_proj.bias == 0).all() and (block.mlp.fc.bias == 0).all()
+        assert (block.attn.qkv_proj.bias == 0).all() and (block.mlp.fc.bias == 0).all()
         assert (block.ln_1.weight == 1).all()
     assert model.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
@@ -149,8 +149,8 @@ def test_optimizer_groups(position):
         assert (id(param) in decay) == is_matrix, name
     assert id(model.tok_emb.weight) in no_decay
     assert id(model.blocks[0].ln_1.weight) in no_decay and id(model.blocks[0].ln_1.bias) in no_decay
-    assert id(model.blocks[0].attn.q_proj.bias) in no_decay
-    assert id(model.blocks[0].attn.q_proj.weight) in decay
+    assert id(model.blocks[0].attn.qkv_proj.bias) in no_decay
+    assert id(model.blocks[0].attn.qkv_proj.weight) in decay
     if position == "learned":
         assert id(model.pos_emb.weight) in no_decay
 

@@ -131,7 +131,7 @@ def test_module_takes_the_local_path_and_matches_the_dense_one(case, padding, mo
     calls = spy_on_local_path(monkeypatch)
     mha = make_mha(**MODULE_CASES[case])
     with torch.no_grad():  # non-zero biases, so that their gradients are compared too
-        for proj in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj):
+        for proj in (mha.qkv_proj, mha.out_proj):
             proj.bias.normal_()
     x = torch.randn(2, 23, D_MODEL, requires_grad=True)  # 23 >= 4 windows of 3
     kwargs = {}
@@ -163,7 +163,7 @@ def fallback_call(case: str, x: torch.Tensor) -> tuple[tuple, dict]:
 @pytest.mark.parametrize("case", ["short", "attn_mask", "cross"])
 def test_what_the_local_path_does_not_cover_goes_dense(case, monkeypatch):
     calls = spy_on_local_path(monkeypatch)
-    mha = make_mha(position="alibi")
+    mha = make_mha(position="alibi", **({"context_dim": D_MODEL} if case == "cross" else {}))
     args, kwargs = fallback_call(case, torch.randn(2, 23, D_MODEL))
     out, _ = mha(*args, **kwargs)
     assert calls == []
