@@ -15,6 +15,7 @@ import torch
 
 from helpers import SMALLEST, fault, run_training
 from training.module import OptimConfig
+from training.resume import resume_conflicts
 from wandb_offline import config, history, run_files, run_info
 
 # One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.
@@ -268,3 +269,37 @@ def test_sigterm_repeated_while_stopping_lets_the_stop_finish(tmp_path, cache):
     )
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 16
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped by SIGTERM"
+
+
+@pytest.mark.slow
+def test_a_muon_run_resumes_to_the_same_weights(tmp_path, cache):
+    muon = [*TINY, "optim.name=muon", "trainer.max_steps=20"]
+    straight, run_dir = tmp_path / "straight", tmp_path / "run"
+    result = run_training(cache, *muon, f"hydra.run.dir={straight}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    stop = fault("SignalAt", step=12, signum=signal.SIGTERM)
+    killed = run_training(cache, *muon, f"hydra.run.dir={run_dir}", *stop)
+    assert killed.returncode == 128 + signal.SIGTERM, killed.stderr[-3000:]
+    resumed = run_training(cache, f"ckpt_path={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final, expected = weights(run_dir), weights(straight)
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+    assert losses(run_dir) == losses(straight)
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_optimizer(tmp_path, cache, straight):
+    result = run_training(
+        cache, f"ckpt_path={straight}", "optim.name=muon", f"hydra.run.dir={tmp_path}"
+    )
+    assert result.returncode == 1
+    assert "optim.name: 'adamw' in the checkpoint, 'muon' now" in result.stderr
+
+
+def test_checkpoints_from_before_optim_name_ran_adamw():
+    saved = {"optim": {"lr": 1e-3}}  # what a run config held before optim.name existed
+    assert resume_conflicts(saved, {"optim": {"lr": 1e-3, "name": "adamw"}}) == []
+    assert resume_conflicts(saved, {"optim": {"lr": 1e-3, "name": "muon"}}) == [
+        "optim.name: 'adamw' in the checkpoint, 'muon' now"
+    ]

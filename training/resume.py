@@ -33,8 +33,19 @@ from training.kinds import kind_of
 from training.summary import print_once
 
 # Settings a resumed run may not change: they decide what the restored state means.
-FIXED_ON_RESUME = ("model.", "data.", "seed", "optim.beta1", "optim.beta2", "optim.weight_decay")
+FIXED_ON_RESUME = (
+    "model.",
+    "data.",
+    "seed",
+    "optim.name",
+    "optim.beta1",
+    "optim.beta2",
+    "optim.weight_decay",
+)
 FREE_ON_RESUME = ("model.vocab_size", "data.num_workers", "data.num_proc", "data.cache_dir")
+# Fixed keys added after some checkpoints were written, with the value those checkpoints ran
+# with, so that they still resume.
+EARLIER_VALUES = {"optim.name": "adamw"}
 
 
 def resume_run_dir(ckpt_path: str | None, new_run_dir: str) -> str:
@@ -87,7 +98,7 @@ def flatten(config: dict, prefix: str = "") -> dict:
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
     """'key: saved -> current' for every fixed setting this run changes."""
-    saved, current = flatten(saved), flatten(current)
+    saved, current = EARLIER_VALUES | flatten(saved), flatten(current)
     keys = sorted(set(saved) | set(current))
     return [
         f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"

@@ -1,0 +1,126 @@
+"""training/optimizers.py: Muon for the hidden matrices and AdamW for the rest, as one optimizer
+that Lightning, an LR scheduler and a checkpoint each see as one."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import tiny_gpt
+from training.module import OptimConfig
+from training.optimizers import MuonWithAdamW, build_optimizer
+
+BETAS = (0.9, 0.99)
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.randint(11, (3, 8), generator=generator)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train_steps(model, optimizer, seeds, scheduler=None) -> None:
+    model.train()
+    for seed in seeds:
+        x, y = batch(seed)
+        F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+
+
+def muon_gpt(seed: int = 0):
+    torch.manual_seed(seed)
+    model = tiny_gpt(11)
+    optimizer = build_optimizer(
+        "muon", model.optimizer_groups(0.1), lr=1e-3, betas=BETAS, muon_lr=4e-3
+    )
+    return model, optimizer
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    model, optimizer = muon_gpt()
+    assert isinstance(optimizer, MuonWithAdamW)
+    matrices = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
+    others = {id(p) for group in optimizer.adamw.param_groups for p in group["params"]}
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert sorted(names[i] for i in matrices) == sorted(
+        name
+        for name, p in model.named_parameters()
+        if name.startswith("blocks.") and name.endswith("weight") and p.dim() == 2
+    )
+    assert {names[i] for i in others} >= {"tok_emb.weight", "pos_emb.weight", "ln_f.weight"}
+    assert matrices.isdisjoint(others) and len(matrices | others) == len(names)
+
+
+def test_steps_are_those_of_torchs_muon_and_adamw_side_by_side():
+    model, optimizer = muon_gpt()
+    torch.manual_seed(0)
+    twin = tiny_gpt(11)
+    decayed, kept = twin.optimizer_groups(0.1)
+    muon = torch.optim.Muon([decayed], lr=4e-3, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([kept], lr=1e-3, betas=BETAS, fused=True)
+    train_steps(model, optimizer, range(3))
+    twin.train()
+    for seed in range(3):
+        x, y = batch(seed)
+        F.cross_entropy(twin(x)[0].flatten(0, 1), y.flatten()).backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    trained, untrained = model.state_dict(), muon_gpt()[0].state_dict()
+    for name, theirs in twin.state_dict().items():
+        torch.testing.assert_close(trained[name], theirs, rtol=0, atol=0, msg=name)
+    assert not torch.equal(
+        trained["blocks.0.attn.qkv_proj.weight"], untrained["blocks.0.attn.qkv_proj.weight"]
+    )
+
+
+def test_a_scheduler_sets_both_optimizers_rates():
+    _, optimizer = muon_gpt()
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)  # sets the rates of step 0
+    assert [g["lr"] for g in optimizer.muon.param_groups] == [4e-3 * 0.5]
+    assert [g["lr"] for g in optimizer.adamw.param_groups] == [1e-3 * 0.5]
+
+
+def test_a_restored_optimizer_continues_exactly():
+    model, optimizer = muon_gpt()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    train_steps(model, optimizer, range(2), scheduler)
+    saved = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": copy.deepcopy(optimizer.state_dict()),  # its tensors change in place
+        "scheduler": scheduler.state_dict(),
+    }
+    train_steps(model, optimizer, range(2, 4), scheduler)
+
+    restored, restored_optimizer = muon_gpt(seed=1)
+    restored.load_state_dict(saved["model"])
+    # As Lightning restores: optimizer and scheduler built first, then their states loaded.
+    restored_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        restored_optimizer, lambda step: 1 / (step + 1)
+    )
+    restored_optimizer.load_state_dict(saved["optimizer"])
+    restored_scheduler.load_state_dict(saved["scheduler"])
+    # Both inner optimizers hold their state again: Muon's momentum, AdamW's moments.
+    matrix = restored.blocks[0].attn.qkv_proj.weight
+    assert "momentum_buffer" in restored_optimizer.muon.state[matrix]
+    assert "exp_avg" in restored_optimizer.adamw.state[restored.tok_emb.weight]
+    train_steps(restored, restored_optimizer, range(2, 4), restored_scheduler)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(restored.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"name": "sgd"}, "optim.name='sgd' is not one of adamw, muon"),
+        ({"name": "muon", "muon_lr": 0.0}, "optim.muon_lr must be > 0, got 0.0"),
+    ],
+)
+def test_bad_optimizer_options_are_one_line_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        OptimConfig(**options)
