@@ -286,6 +286,11 @@ def test_a_muon_run_resumes_to_the_same_weights(tmp_path, cache):
     for key in expected:
         assert torch.equal(final[key], expected[key]), key
     assert losses(run_dir) == losses(straight)
+    # Muon's matrices peak at optim.muon_lr (4e-3), the rest at optim.lr (2e-3).
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    groups = saved["optimizer_states"][0]["param_groups"]
+    assert [group["initial_lr"] for group in groups] == [4e-3, 2e-3]
+    assert saved["lr_schedulers"][0]["base_lrs"] == [4e-3, 2e-3]
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
 from model.inspect import token_labels
 from training.guard import TrainingDiverged, UpdateGuard, check_nonfinite_action
-from training.optimizers import OPTIMIZERS, build_optimizer
+from training.optimizers import OPTIMIZERS, build_optimizer, peak_rates
 
 # query labels and key labels of an attention map, by the map's name
 LabelsFor = Callable[[str], tuple[list[str], list[str]]]
@@ -162,17 +162,17 @@ class TrainingModule(L.LightningModule):
         self.best_val_loss = checkpoint.get("best_val_loss", math.inf)
 
     def on_train_start(self) -> None:
-        # A run resumed with another optim.lr: the restored schedule keeps the checkpoint's base
-        # rate, so rescale it (and this step's rate) to the one asked for.
+        # A run resumed with another optim.lr or muon_lr: the restored schedule keeps the
+        # checkpoint's base rates, so rescale them (and this step's rates) to the ones asked for.
         scheduler = self.lr_schedulers()
-        asked = [self.optim.lr] * len(scheduler.base_lrs)
+        asked = peak_rates(scheduler.optimizer, self.optim.lr, self.optim.muon_lr)
         if scheduler.base_lrs == asked:
             return
         scheduler.base_lrs = asked
         total_steps = int(self.trainer.estimated_stepping_batches)
         factor = self.optim.lr_factor(scheduler.last_epoch, total_steps)
-        for group in scheduler.optimizer.param_groups:
-            group["initial_lr"], group["lr"] = self.optim.lr, self.optim.lr * factor
+        for group, rate in zip(scheduler.optimizer.param_groups, asked, strict=True):
+            group["initial_lr"], group["lr"] = rate, rate * factor
 
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None

@@ -72,3 +72,12 @@ def build_optimizer(
         return AdamW(groups, lr=lr, betas=betas, fused=True)
     decayed, kept = groups
     return MuonWithAdamW([decayed], [kept], muon_lr=muon_lr, lr=lr, betas=betas)
+
+
+def peak_rates(optimizer: Optimizer, lr: float, muon_lr: float) -> list[float]:
+    """The rate each param group of a build_optimizer optimizer peaks at: Muon's muon_lr,
+    AdamW's lr."""
+    if isinstance(optimizer, MuonWithAdamW):
+        muon, adamw = len(optimizer.muon.param_groups), len(optimizer.adamw.param_groups)
+        return [muon_lr] * muon + [lr] * adamw
+    return [lr] * len(optimizer.param_groups)
