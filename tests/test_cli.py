@@ -1,5 +1,6 @@
 """End to end through the real command line: train.py writes a run, generate.py samples it."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -172,3 +173,22 @@ def test_ctrl_c_stops_generate_without_a_traceback(trained_run, shared_cache):
     _, stderr = generating.communicate(timeout=120)
     assert len(streamed) == 20
     assert generating.returncode == 130 and b"Traceback" not in stderr, stderr.decode()[-3000:]
+
+
+@pytest.mark.slow
+def test_cpu_fast_recipe_trains_with_muon_in_bf16(tmp_path, shared_cache):
+    """experiment=cpu_fast, cut to a tiny model and 30 steps: Muon on the matrices, bf16-mixed
+    (the loss falls; the weights stay fp32, as mixed precision keeps them)."""
+    overrides = ["experiment=cpu_fast", *TINY, "trainer.max_steps=30"]
+    overrides += ["trainer.val_check_interval=10", "logger=csv"]
+    run_dir = train_run(tmp_path / "run", *overrides, cache_dir=shared_cache)
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    run_config = checkpoint["hyper_parameters"]["run_config"]
+    assert run_config["optim"]["name"] == "muon"
+    assert run_config["trainer"]["precision"] == "bf16-mixed"
+    assert {t.dtype for t in checkpoint["state_dict"].values()} == {torch.float32}
+    groups = checkpoint["optimizer_states"][0]["param_groups"]
+    assert [group["initial_lr"] for group in groups] == [1.2e-2, 2e-3]
+    rows = json.loads((run_dir / "summary.json").read_text())["history"]
+    val = [row["val/loss"] for row in rows if "val/loss" in row]
+    assert len(val) == 3 and val[-1] < val[0]

@@ -8,13 +8,18 @@ import pytest
 import torch
 
 from training.guard import UpdateGuard
+from training.optimizers import MuonWithAdamW
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+OPTIMIZERS = ["adamw", "muon"]
 
 
-def _model_and_optimizer(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model_and_optimizer(device: str, kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3).to(device)
+    if kind == "muon":  # Muon on the weight matrix, AdamW on the bias
+        matrices, others = [{"params": [model.weight]}], [{"params": [model.bias]}]
+        return model, MuonWithAdamW(matrices, others, muon_lr=0.1, lr=0.1, betas=(0.9, 0.999))
     return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
 
 
@@ -32,10 +37,11 @@ def _guarded_step(guard, optimizer, model, step: int, loss: torch.Tensor) -> Non
     optimizer.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("kind", OPTIMIZERS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("what", ["nan gradient", "inf loss"])
-def test_a_nonfinite_step_changes_nothing_and_is_reported(device, what):
-    model, optimizer = _model_and_optimizer(device)
+def test_a_nonfinite_step_changes_nothing_and_is_reported(device, what, kind):
+    model, optimizer = _model_and_optimizer(device, kind)
     guard = UpdateGuard()
     _guarded_step(guard, optimizer, model, 1, _backward(model))
     weights = copy.deepcopy(model.state_dict())
@@ -59,10 +65,11 @@ def test_a_nonfinite_step_changes_nothing_and_is_reported(device, what):
     assert guard.skipped() == []  # each step is reported once
 
 
+@pytest.mark.parametrize("kind", OPTIMIZERS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_finite_steps_update_as_unguarded_and_after_a_skipped_one(device):
-    guarded, optimizer = _model_and_optimizer(device)
-    plain, plain_optimizer = _model_and_optimizer(device)
+def test_finite_steps_update_as_unguarded_and_after_a_skipped_one(device, kind):
+    guarded, optimizer = _model_and_optimizer(device, kind)
+    plain, plain_optimizer = _model_and_optimizer(device, kind)
     guard = UpdateGuard()
     for step in range(1, 5):
         torch.manual_seed(step)

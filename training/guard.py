@@ -60,7 +60,7 @@ class UpdateGuard:
 
     def flag(self, optimizer: torch.optim.Optimizer, step: int, norm: Tensor, loss: Tensor) -> None:
         """Make `optimizer`'s next step a no-op if `norm` or `loss` is not finite. The optimizer
-        must be a fused torch optimizer, the only kind that reads `found_inf`."""
+        must read `found_inf`: a fused torch optimizer, or MuonWithAdamW (optimizers.py)."""
         values = torch.stack([norm.detach().float(), loss.detach().float()])
         optimizer.found_inf = (~torch.isfinite(values).all()).float()
         ready = None

@@ -47,7 +47,11 @@ class MuonWithAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.muon.step()
+        # The update guard's flag (training/guard.py): fused AdamW reads it in its kernel, Muon
+        # cannot, so a flagged step skips Muon here, at the price of one host sync a step.
+        found_inf = self.adamw.found_inf = getattr(self, "found_inf", None)
+        if found_inf is None or not found_inf.item():
+            self.muon.step()
         self.adamw.step()
         return loss
 
