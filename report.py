@@ -142,7 +142,11 @@ def plot_loss_curves(jobs: list[dict], swept: list[str], path: Path) -> None:
     figure, axes = plt.subplots(1, len(xs), figsize=(6 * len(xs), 4.2), sharey=True, squeeze=False)
     axes = axes[0]
     for job in done:
-        label = ", ".join(f"{k.split('.')[-1]}={shown(job['values'].get(k, ''))}" for k in swept)
+        # The swept keys this job sets (runs compared side by side need not set the same ones);
+        # a job that sets none is named by its directory.
+        setting = [k for k in swept if k in job["values"]]
+        label = ", ".join(f"{k.split('.')[-1]}={shown(job['values'][k])}" for k in setting)
+        label = label or str(job.get("job"))
         history = job.get("history", [])
         for ax, x in zip(axes, xs, strict=True):
             train = [(r[x], r["train/loss"]) for r in history if "train/loss" in r and x in r]
