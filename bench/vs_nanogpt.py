@@ -289,7 +289,8 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="vs_nanogpt-"))
     copy = prepare_nanogpt(args.nanogpt.resolve(), text, scratch)
     print(f"recipe {args.recipe}, {steps} steps, {args.pairs} pairs; scratch {scratch}")
-    ours = f"{'our own recipe' if own else 'the same recipe'}, {' '.join(extra) or 'as is'}"
+    ours = "our own recipe" if own else f"the same recipe, with {' '.join(recipe['ours'])}"
+    ours += f", {' '.join(extra)}" if extra else ""
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ours: {ours}")
 
     # One short untimed run of each first: the data cache, the page cache and any compile cache

@@ -108,14 +108,14 @@ def scaled_dot_product_attention(
 
 # On the CPU, torch's fused kernel is 3-5x slower in bf16 than in fp32 for heads narrower than
 # this (its backward above all), and no slower from this width on: bench/cpu_attention_dtype.py.
-CPU_REDUCED_PRECISION_MIN_HEAD_DIM = 64
+CPU_BF16_MIN_HEAD_DIM = 64
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
-    """F.scaled_dot_product_attention, but in fp32 for narrow bf16/fp16 heads on the CPU, where
-    that is the faster kernel (autocast off around it, or it would cast back to bf16)."""
-    narrow = q.size(-1) < CPU_REDUCED_PRECISION_MIN_HEAD_DIM
-    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16) or not narrow:
+    """F.scaled_dot_product_attention, but in fp32 for narrow bf16 heads on the CPU, where that
+    is the faster kernel (autocast off around it, or it would cast back to bf16)."""
+    narrow = q.size(-1) < CPU_BF16_MIN_HEAD_DIM
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not narrow:
         return F.scaled_dot_product_attention(q, k, v, **options)
     mask = options.get("attn_mask")
     if mask is not None and mask.is_floating_point():

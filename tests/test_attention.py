@@ -538,32 +538,38 @@ def test_matches_torch_multihead_attention(case):
 # --------------------------------------------------------------------------- joined projections
 
 
-def separate_projections(state: dict) -> dict:
-    """A state dict in the layout of checkpoints written before q, k and v were joined: self-
-    attention's qkv_proj and cross-attention's kv_proj split back into q_proj, k_proj, v_proj."""
-    old = {}
-    for name, tensor in state.items():
-        head, _, kind = name.rpartition(".")
-        if head.endswith("attn.qkv_proj"):
-            base = head.removesuffix("qkv_proj")
-            q, k, v = tensor.chunk(3)
-            old |= {f"{base}q_proj.{kind}": q, f"{base}k_proj.{kind}": k, f"{base}v_proj.{kind}": v}
-        elif head.endswith("attn.kv_proj"):
-            base = head.removesuffix("kv_proj")
-            k, v = tensor.chunk(2)
-            old |= {f"{base}k_proj.{kind}": k, f"{base}v_proj.{kind}": v}
-        else:
-            old[name] = tensor
+def separate_projections(model: nn.Module) -> dict:
+    """`model`'s state dict in the layout of checkpoints written before q, k and v were joined:
+    self-attention's qkv_proj and cross-attention's kv_proj split back into q_proj, k_proj,
+    v_proj (of the module's own widths: with GQA, k and v are narrower than q)."""
+    old = model.state_dict()
+    for prefix, module in model.named_modules():
+        if not isinstance(module, MultiHeadAttention):
+            continue
+        joined, names, widths = "qkv_proj", "qkv", module.widths
+        if module.is_cross:
+            joined, names, widths = "kv_proj", "kv", module.widths[1:]
+        for kind in ("weight", "bias"):
+            tensor = old.pop(f"{prefix}.{joined}.{kind}", None)
+            if tensor is not None:  # no bias with model.bias=false
+                for name, part in zip(names, tensor.split(widths), strict=True):
+                    old[f"{prefix}.{name}_proj.{kind}"] = part
     return old
 
 
-@pytest.mark.parametrize("kind", ["gpt", "encdec"])
+@pytest.mark.parametrize("kind", ["gpt", "gpt_gqa_no_bias", "encdec", "encdec_gqa"])
 @torch.no_grad()
 def test_checkpoints_with_separate_q_k_v_projections_load_unchanged(kind):
-    make = (lambda: tiny_gpt(11, "rope")) if kind == "gpt" else (lambda: tiny_encdec(11, "rope"))
+    makers = {
+        "gpt": lambda: tiny_gpt(11, "rope"),
+        "gpt_gqa_no_bias": lambda: tiny_gpt(11, "rope", n_kv_head=2, bias=False),
+        "encdec": lambda: tiny_encdec(11, "rope"),
+        "encdec_gqa": lambda: tiny_encdec(11, "rope", n_kv_head=2),
+    }
+    make = makers[kind]
     torch.manual_seed(0)
     model = make().eval()
-    old_state = separate_projections(model.state_dict())
+    old_state = separate_projections(model)
     assert any(name.endswith("attn.k_proj.weight") for name in old_state)
     torch.manual_seed(1)
     loaded = make().eval()

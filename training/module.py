@@ -128,7 +128,8 @@ class TrainingModule(L.LightningModule):
         # step costs several percent of the step time.
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
             self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the mean over ranks
-            self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+            # AdamW's group (the last one): optim.lr's schedule, whichever optimizer
+            self.log("train/lr", self.lr_schedulers().get_last_lr()[-1])
             if self.skipped_steps:
                 self.log("train/skipped_steps", float(self.skipped_steps))
         return loss

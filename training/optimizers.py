@@ -26,8 +26,10 @@ class MuonWithAdamW(Optimizer):
         lr: float,
         betas: tuple[float, float],
     ):
-        # Muon's update has the RMS of AdamW's ("match_rms_adamw"), so that weight decay means
-        # the same in both and its learning rate is on AdamW's scale.
+        # "match_rms_adamw": Muon's update is scaled to the RMS of AdamW's, so that muon_lr is
+        # on AdamW's scale. Its weight decay is decoupled, muon_lr * weight_decay a step, so
+        # the matrices decay muon_lr / lr times as fast as under AdamW. A joined qkv_proj is
+        # one matrix to Muon, orthogonalised as a whole.
         self.muon = torch.optim.Muon(matrices, lr=muon_lr, adjust_lr_fn="match_rms_adamw")
         self.adamw = AdamW(others, lr=lr, betas=betas, fused=True)
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
