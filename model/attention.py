@@ -113,13 +113,16 @@ CPU_BF16_MIN_HEAD_DIM = 64
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
     """F.scaled_dot_product_attention, but in fp32 for narrow bf16 heads on the CPU, where that
-    is the faster kernel (autocast off around it, or it would cast back to bf16)."""
+    is the faster kernel (autocast off around it, or it would cast back to bf16). A float mask
+    may come in fp32 whatever q's dtype: it is cast to the dtype the kernel runs in, so that an
+    fp32 kernel gets the exact bias."""
     narrow = q.size(-1) < CPU_BF16_MIN_HEAD_DIM
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not narrow:
-        return F.scaled_dot_product_attention(q, k, v, **options)
+    fp32_kernel = q.device.type == "cpu" and q.dtype == torch.bfloat16 and narrow
     mask = options.get("attn_mask")
     if mask is not None and mask.is_floating_point():
-        options["attn_mask"] = mask.float()
+        options["attn_mask"] = mask.to(torch.float32 if fp32_kernel else q.dtype)
+    if not fp32_kernel:
+        return F.scaled_dot_product_attention(q, k, v, **options)
     with torch.autocast("cpu", enabled=False):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **options)
     return out.to(q.dtype)
@@ -213,7 +216,7 @@ def local_attention(
     mask = allowed.expand(batch, n_blocks, block, -1).reshape(-1, 1, block, c.size(0))
     if alibi_slopes is not None:
         bias = -alibi_slopes[:, None, None] * distance.abs()
-        mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))  # (B·nb, H, block, K)
+        mask = bias.masked_fill(~mask, float("-inf"))  # (B·nb, H, block, K), fused_attention casts
 
     out = fused_attention(
         q_blocks, k_windows, v_windows, attn_mask=mask, dropout_p=dropout_p, scale=scale

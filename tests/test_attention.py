@@ -589,12 +589,13 @@ def test_self_and_cross_attention_refuse_each_others_calls():
 # --------------------------------------------------------------------------- reduced precision
 
 
-@pytest.mark.parametrize("case", ["causal", "alibi"])
+@pytest.mark.parametrize("case", ["causal", "alibi", "alibi_local_gqa"])
 @pytest.mark.parametrize("head_dim", [8, 64])
 def test_bf16_attention_on_the_cpu_matches_fp32(case, head_dim, monkeypatch):
     """Under bf16 autocast narrow heads run the fused kernel in fp32 on the CPU (its faster
     kernel there), wide ones in bf16; both give the fp32 result to bf16 precision, with a
-    bf16 output and gradients for every parameter."""
+    bf16 output and gradients for every parameter. The local path (a window over 4 windows or
+    more) hands the kernel its ALiBi bias in fp32, cast there to the kernel's dtype."""
     kernel_dtypes = []
     fused = F.scaled_dot_product_attention
 
@@ -604,10 +605,11 @@ def test_bf16_attention_on_the_cpu_matches_fp32(case, head_dim, monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     torch.manual_seed(0)
-    config = AttentionConfig(n_head=2)
-    position = "alibi" if case == "alibi" else "none"
+    local = case == "alibi_local_gqa"
+    config = AttentionConfig(n_head=2, n_kv_head=1 if local else None, window=3 if local else None)
+    position = "alibi" if case.startswith("alibi") else "none"
     mha = MultiHeadAttention(2 * head_dim, config, causal=True, position=position)
-    x = torch.randn(2, 9, 2 * head_dim)
+    x = torch.randn(2, 13 if local else 9, 2 * head_dim)
     expected, _ = mha(x)
     with torch.autocast("cpu", torch.bfloat16):
         out, _ = mha(x)
