@@ -205,8 +205,9 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
     if conflicts:
         raise ValueError(
             f"ckpt_path={path} cannot resume with changed settings ({'; '.join(conflicts[:4])}"
-            f"{'; ...' if len(conflicts) > 4 else ''}): drop those overrides, or start a new "
-            "run without ckpt_path"
+            f"{'; ...' if len(conflicts) > 4 else ''}): drop those overrides, or set those keys "
+            "to the checkpoint's values (a recipe such as experiment=... may have changed since "
+            "it was written), or start a new run without ckpt_path"
         )
     print_once(
         f"resuming from {path} at step {checkpoint['global_step']}"
