@@ -6,17 +6,21 @@
   with its caches (decoder self-attention KV cache + cross-attention keys/values of the
   memory, computed once) and without them.
 
-    python bench/generate_speed.py [--device cuda] [--repeats 3]
+    python bench/generate_speed.py [--device cuda] [--repeats 5]
 
-Weights are random: speed does not depend on them. Outputs are checked identical.
+The two sides run alternately, a cached run and then an uncached one, `--repeats` pairs after a
+warm-up of each; the table gives each side's median and the median (min-max) of the per-pair
+speed-ups. Weights are random: speed does not depend on them. Outputs are checked identical.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,94 +32,102 @@ from model.gpt import GPT, GPTConfig  # noqa: E402
 NEW_TOKENS = 500
 
 
-def best_time(run, repeats: int, device: torch.device) -> tuple[float, object]:
-    """The fastest of `repeats` runs (after one warm-up), and the run's output."""
-    output = run()
-    times = []
+def timed(device: torch.device, run, *args) -> tuple[float, object]:
+    """Seconds run(*args) takes, and its output."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    output = run(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, output
+
+
+def cached_against_uncached(run, repeats: int, device: torch.device) -> dict:
+    """run(use_cache) once each as a warm-up, then `repeats` pairs, cached and uncached one after
+    the other, so that both sides see the same machine: each side's seconds per run, the
+    per-pair speed-ups, and each side's last output."""
+    seconds = {True: [], False: []}
+    outputs = {use_cache: run(use_cache) for use_cache in (True, False)}
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        output = run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times), output
+        for use_cache in (True, False):
+            elapsed, outputs[use_cache] = timed(device, run, use_cache)
+            seconds[use_cache].append(elapsed)
+    speedups = [u / c for c, u in zip(seconds[True], seconds[False], strict=True)]
+    return {"seconds": seconds, "speedups": speedups, "outputs": outputs}
 
 
-def gpt_speed(device: torch.device, repeats: int) -> dict[str, float]:
+def gpt_speed(device: torch.device, repeats: int) -> tuple[dict, int, bool]:
+    """The pairs' figures, the tokens a run makes, and whether the two sides agree (on the first
+    255 tokens: past the block the uncached side slides its context one token at a time, while
+    the cached side restarts from the last half block)."""
     config = GPTConfig(
         vocab_size=65, block_size=256, n_layer=6, n_embd=384, attention=AttentionConfig(n_head=6)
     )
     model = GPT(config).to(device).eval()
     prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
-    seconds, outputs = {}, {}
-    for use_cache in (True, False):
 
-        def run(use_cache=use_cache):
-            steps = generate(model, prompt, NEW_TOKENS, use_cache=use_cache, greedy=True)
-            return torch.stack(list(steps), dim=1)
+    def run(use_cache: bool) -> Tensor:
+        steps = generate(model, prompt, NEW_TOKENS, use_cache=use_cache, greedy=True)
+        return torch.stack(list(steps), dim=1)
 
-        seconds[use_cache], outputs[use_cache] = best_time(run, repeats, device)
-    same = torch.equal(outputs[True][:, :255], outputs[False][:, :255])
-    return {
-        "cached": NEW_TOKENS / seconds[True],
-        "uncached": NEW_TOKENS / seconds[False],
-        "same": same,
-    }
+    pairs = cached_against_uncached(run, repeats, device)
+    outputs = pairs["outputs"]
+    return pairs, NEW_TOKENS, torch.equal(outputs[True][:, :255], outputs[False][:, :255])
 
 
-def encdec_speed(device: torch.device, repeats: int) -> dict[str, float]:
+def encdec_speed(device: torch.device, repeats: int) -> tuple[dict, int, bool]:
     config = EncDecConfig(vocab_size=70, max_source_len=96, max_target_len=96, n_embd=128)
     model = EncoderDecoder(config).to(device).eval()
     source = torch.randint(4, 70, (1, 96), device=device)
-    seconds, outputs = {}, {}
-    for use_cache in (True, False):
 
-        def run(use_cache=use_cache):
-            # eos_id outside the vocabulary: every run decodes the full 96 tokens
-            return decode_greedy_or_sample(
-                model,
-                source,
-                None,
-                bos_id=1,
-                eos_id=10**6,
-                max_new_tokens=96,
-                use_cache=use_cache,
-                greedy=True,
-            )
+    def run(use_cache: bool) -> list[list[int]]:
+        # eos_id outside the vocabulary: every run decodes the full 96 tokens
+        return decode_greedy_or_sample(
+            model,
+            source,
+            None,
+            bos_id=1,
+            eos_id=10**6,
+            max_new_tokens=96,
+            use_cache=use_cache,
+            greedy=True,
+        )
 
-        seconds[use_cache], outputs[use_cache] = best_time(run, repeats, device)
-    tokens = len(outputs[True][0])
-    return {
-        "cached": tokens / seconds[True],
-        "uncached": tokens / seconds[False],
-        "same": outputs[True] == outputs[False],
-        "tokens": tokens,
-    }
+    pairs = cached_against_uncached(run, repeats, device)
+    outputs = pairs["outputs"]
+    return pairs, len(outputs[True][0]), outputs[True] == outputs[False]
+
+
+def row(name: str, measured: tuple[dict, int, bool]) -> str:
+    """A table row: each side's median tokens/s, and the median (min-max) of the per-pair
+    speed-ups."""
+    pairs, tokens, same = measured
+    rate = {side: tokens / statistics.median(pairs["seconds"][side]) for side in (True, False)}
+    speedups = pairs["speedups"]
+    return (
+        f"| {name} | {rate[True]:,.0f} | {rate[False]:,.0f} | "
+        f"{statistics.median(speedups):.1f}x ({min(speedups):.1f}-{max(speedups):.1f}) | {same} |"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="pairs per model")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
     print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| model | cached tokens/s | uncached tokens/s | speed-up | same greedy output |")
+    print(
+        "| model | cached tokens/s | uncached tokens/s | speed-up, median (min-max) "
+        "| same greedy output |"
+    )
     print("|---|---|---|---|---|")
     gpt = gpt_speed(device, args.repeats)
-    print(
-        f"| GPT 6x384, block 256, {NEW_TOKENS} new tokens | {gpt['cached']:,.0f} | "
-        f"{gpt['uncached']:,.0f} | {gpt['cached'] / gpt['uncached']:.1f}x | {gpt['same']} |"
-    )
+    print(row(f"GPT 6x384, block 256, {NEW_TOKENS} new tokens", gpt))
     encdec = encdec_speed(device, args.repeats)
-    print(
-        f"| encoder-decoder 3+3x128, {encdec['tokens']} new tokens | {encdec['cached']:,.0f} | "
-        f"{encdec['uncached']:,.0f} | {encdec['cached'] / encdec['uncached']:.1f}x | "
-        f"{encdec['same']} |"
-    )
+    print(row(f"encoder-decoder 3+3x128, {encdec[1]} new tokens", encdec))
 
 
 if __name__ == "__main__":

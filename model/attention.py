@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from errors import check_field_types, check_int, is_number
-from model.layers import RotaryEmbedding, alibi_bias, alibi_slopes
+from model.layers import RotaryEmbedding, alibi_bias, alibi_slopes, dropout_layer
 
 
 def check_key_padding_mask(key_padding_mask: Tensor | None, k_len: int) -> None:
@@ -405,7 +405,7 @@ class MultiHeadAttention(nn.Module):
             self.qkv_proj = nn.Linear(d_model, sum(self.widths), bias=bias)
         self.out_proj = nn.Linear(self.n_head * self.head_dim, d_model, bias=bias)
         self.attn_dropout = config.dropout
-        self.resid_dropout = nn.Dropout(resid_dropout)
+        self.resid_dropout = dropout_layer(resid_dropout)
         self.rope = RotaryEmbedding(self.head_dim) if position == "rope" else None
         if position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(self.n_head), persistent=False)

@@ -18,7 +18,7 @@ from model.blocks import (
     init_weights,
     optimizer_groups,
 )
-from model.layers import AddedPositions
+from model.layers import AddedPositions, dropout_layer
 
 CROSS_POSITIONS = ("none", "rope")
 
@@ -88,7 +88,7 @@ class EncoderDecoder(nn.Module):
         self.tgt_pos = AddedPositions(
             c.position, c.max_target_len, c.n_embd, "model.max_target_len"
         )
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = dropout_layer(c.dropout)
         self.encoder = nn.ModuleList(Block(c, causal=False) for _ in range(c.n_encoder_layer))
         self.ln_enc = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.decoder = nn.ModuleList(

@@ -14,7 +14,7 @@ from model.blocks import (
     init_weights,
     optimizer_groups,
 )
-from model.layers import AddedPositions
+from model.layers import AddedPositions, dropout_layer
 
 __all__ = ["GPT", "GPTConfig", "POSITIONS"]
 
@@ -56,7 +56,7 @@ class GPT(nn.Module):
         self.pos_emb = AddedPositions(
             config.position, config.block_size, config.n_embd, "model.block_size"
         )
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = dropout_layer(config.dropout)
         self.blocks = nn.ModuleList(Block(config, causal=True) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

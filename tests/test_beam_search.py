@@ -364,3 +364,25 @@ def test_decoder_cache_reorder_selects_rows():
     stepped = model.decode(target_in[index, 4:], memory[index], mask[index], cache=cache)
     full = model.decode(target_in[index], memory[index], mask[index])
     torch.testing.assert_close(stepped[:, 0], full[:, 4], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "beam"])
+def test_fp32_decoding_runs_without_onednn_and_leaves_the_flag_as_it_was(decoder):
+    # as for the GPT (test_generation.py): the encoder and each decoding step, never between
+    model = random_model(0)
+    seen = []
+    for method in ("encode", "decode"):
+        call = getattr(model, method)
+
+        def spy(*args, call=call, **kwargs):
+            seen.append(torch.backends.mkldnn.enabled)
+            return call(*args, **kwargs)
+
+        setattr(model, method, spy)
+    source, mask = padded_sources(0, 9, [5, 3])
+    if decoder == "greedy":
+        decode_greedy_or_sample(model, source, mask, greedy=True, **decode_kwargs(6))
+    else:
+        beam_search(model, source, mask, beam_size=2, **decode_kwargs(6))
+    assert seen and not any(seen)
+    assert torch.backends.mkldnn.enabled

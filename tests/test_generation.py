@@ -236,3 +236,56 @@ def test_padding_rows_of_the_vocabulary_are_never_produced(use_cache):
     for sampling in ({"greedy": True}, {"temperature": 1.0}, {"top_k": 3}, {"top_p": 0.9}):
         tokens = run(model, idx, 12, vocab_size=real, use_cache=use_cache, **sampling)
         assert (tokens < real).all(), sampling
+
+
+# --------------------------------------------------------------------------- kernels and modes
+
+
+def onednn_during_steps(model, method: str) -> list[bool]:
+    """Spy on model.<method>: whether oneDNN was on at each call."""
+    seen, call = [], getattr(model, method)
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.mkldnn.enabled)
+        return call(*args, **kwargs)
+
+    setattr(model, method, spy)
+    return seen
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_fp32_decoding_steps_run_without_onednn_and_leave_the_flag_as_it_was(use_cache):
+    model = tiny_gpt(VOCAB, "rope", block_size=8)
+    seen = onednn_during_steps(model, "forward")
+    idx = torch.randint(VOCAB, (2, 3))
+    tokens = generate(model, idx, 10, greedy=True, use_cache=use_cache)
+    for _ in tokens:
+        assert torch.backends.mkldnn.enabled  # never off between steps: the flag is global
+    assert seen == [False] * 10  # the prompt, then one step per token but the last
+    assert torch.backends.mkldnn.enabled
+
+
+def test_decoding_restores_onednn_after_a_failing_step():
+    model = tiny_gpt(VOCAB, "rope", block_size=8)
+    with pytest.raises(IndexError):
+        next(generate(model, torch.full((1, 2), VOCAB + 5), 3))  # an id past the vocabulary
+    assert torch.backends.mkldnn.enabled
+
+
+def test_bf16_decoding_keeps_onednn():
+    # bf16 matmuls on the CPU run through oneDNN: switching it off would slow them down
+    model = tiny_gpt(VOCAB, "rope").to(torch.bfloat16)
+    seen = onednn_during_steps(model, "forward")
+    run(model, torch.randint(VOCAB, (1, 3)), 4, greedy=True)
+    assert seen == [True] * 4
+
+
+def test_a_model_trains_on_after_generating():
+    # decoding runs in inference mode: nothing it leaves behind may block a training step
+    model = tiny_gpt(VOCAB, "rope").train()
+    idx = torch.randint(VOCAB, (2, 6))
+    tokens = run(model, idx, 5)
+    sequence = torch.cat((idx, tokens), dim=1)
+    _, loss = model(sequence[:, :-1], sequence[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -267,3 +267,23 @@ def test_only_linear_layers_weights_decay(make, position):
     if position == "learned":
         tables = [m for m in model.modules() if isinstance(m, AddedPositions)]
         assert tables and all(id(t.weight) not in decayed for t in tables)
+
+
+@pytest.mark.parametrize("make", [tiny_gpt, tiny_encdec])
+def test_dropout_drops_in_training_only_and_is_absent_at_zero(make):
+    torch.manual_seed(0)
+    dropping = make(VOCAB, dropout=0.3)
+    idx = torch.randint(VOCAB, (2, 8))
+
+    def logits(model):
+        if isinstance(model, GPT):
+            return model(idx)[0]
+        return model(idx, idx)[0]
+
+    assert torch.equal(logits(dropping), logits(dropping))  # eval: nothing dropped
+    dropping.train()
+    assert not torch.equal(logits(dropping), logits(dropping))
+    plain = make(VOCAB, dropout=0.0)
+    # not even a Dropout module that drops nothing: a decoding step would still pay its calls
+    assert not any(isinstance(m, torch.nn.Dropout) for m in plain.modules())
+    assert sum(isinstance(m, torch.nn.Dropout) for m in dropping.modules()) > 0
