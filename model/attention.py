@@ -449,17 +449,16 @@ class MultiHeadAttention(nn.Module):
                 q = self.rope(q, query_offset)
             if cache is not None and cache.length:
                 return q, cache.keys, cache.values, 0, None
-            k, v = self.kv_proj(context).chunk(2, dim=-1)
-            k, v = self._split_heads(k, self.n_kv_head), self._split_heads(v, self.n_kv_head)
+            k, v = self._split_heads(self.kv_proj(context), 2 * self.n_kv_head).chunk(2, dim=1)
             if self.rope is not None:
                 k = self.rope(k)
             if cache is not None:
                 k, v, _ = cache.append(k, v)
             return q, k, v, 0, None
         offset = cache.length if cache is not None else 0
-        q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
-        q = self._split_heads(q, self.n_head)
-        k, v = self._split_heads(k, self.n_kv_head), self._split_heads(v, self.n_kv_head)
+        # All heads first, (B, H + 2·Hkv, T, D), then cut into q, k and v along the heads.
+        heads = self._split_heads(self.qkv_proj(x), self.n_head + 2 * self.n_kv_head)
+        q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
         if self.rope is not None:
             q, k = self.rope(q, offset), self.rope(k, offset)
         k_pos = None
