@@ -113,7 +113,21 @@ def test_token_accuracy_is_correct_tokens_over_all_scored_tokens(monkeypatch):
     assert validate(module, batches[1:], monkeypatch)["val/token_accuracy"] == pytest.approx(0.1)
 
 
-@pytest.mark.filterwarnings("ignore:Encountered `nan` values")  # torchmetrics on a NaN loss
+def test_a_nan_batch_makes_the_whole_validation_nan(monkeypatch):
+    # One diverged batch among finite ones: the validation's figures are NaN, not the mean of
+    # the batches left once it is dropped, which would hide the divergence.
+    tokenizer = CharTokenizer(list("abcde"))
+    config = tiny_gpt_config(tokenizer.vocab_size, n_layer=1).to_dict()
+    module = LanguageModelModule(config, {"lr": 1e-3}, tokenizer.to_dict())
+    losses = iter([1.5, math.nan, 2.5])
+    monkeypatch.setattr(module, "loss", lambda batch: (torch.tensor(next(losses)), None, 8))
+    batch = (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+    logged = validate(module, [batch] * 3, monkeypatch)
+    for name in ("val/loss", "val/perplexity", "val/bits_per_char"):
+        assert math.isnan(logged[name]), name
+    assert "val/best_loss" in logged and logged["val/best_loss"] == math.inf  # no finite result
+
+
 def test_best_loss_is_the_lowest_finite_val_loss_and_survives_a_checkpoint(monkeypatch):
     tokenizer = CharTokenizer(list("abcde"))
     config = tiny_gpt_config(tokenizer.vocab_size, n_layer=1).to_dict()

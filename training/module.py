@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 from torch import Tensor
-from torchmetrics import MeanMetric, Metric, SumMetric
+from torchmetrics import Metric, SumMetric
 
 from data.metrics import character_error_rate
 from data.seq2seq_text import pad_sequences
@@ -75,6 +75,13 @@ class OptimConfig:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine
 
 
+def validation_sum() -> SumMetric:
+    """A sum over a validation's batches and ranks that keeps NaN: torchmetrics' default drops
+    NaN values with a warning, which would report a diverged validation by its finite batches,
+    and checks every update for them on the host, a wait for a GPU each batch."""
+    return SumMetric(nan_strategy="disable")
+
+
 class TrainingModule(L.LightningModule):
     """Optimizer, schedule, throughput and validation loss, shared by both tasks.
 
@@ -102,7 +109,8 @@ class TrainingModule(L.LightningModule):
         self.optim = OptimConfig(**optim)
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
-        self.val_loss = MeanMetric()
+        # val/loss = summed nats / summed scored tokens, over the batches and the ranks.
+        self.val_nats, self.val_scored = validation_sum(), validation_sum()
         self.best_val_loss = math.inf  # the lowest finite val/loss so far, kept in checkpoints
         self._window_start: float | None = None  # when the current throughput window began
         self._window_tokens = 0
@@ -234,11 +242,17 @@ class TrainingModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, _, tokens = self.loss(batch)
-        self.val_loss.update(loss, weight=tokens)
+        self.add_val_loss(loss, tokens)
+
+    def add_val_loss(self, loss: Tensor, scored: Tensor | int) -> None:
+        """Count a batch's mean loss over its `scored` tokens into val/loss."""
+        self.val_nats.update(loss * scored)
+        self.val_scored.update(scored)
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
+        loss = self.val_nats.compute() / self.val_scored.compute()
+        self.val_nats.reset()
+        self.val_scored.reset()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/perplexity", torch.exp(loss))
         if self.trainer.sanity_checking:
@@ -277,20 +291,18 @@ class LanguageModelModule(TrainingModule):
         super().__init__(model, optim, tokenizer, **options)
         chars = torch.tensor(self.tokenizer.token_char_counts())
         self.register_buffer("token_chars", chars, persistent=False)
-        self.val_nats, self.val_chars = SumMetric(), SumMetric()
+        self.val_chars = validation_sum()
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, _, tokens = self.loss(batch)
-        self.val_loss.update(loss, weight=tokens)
-        self.val_nats.update(loss * tokens)
+        self.add_val_loss(loss, tokens)
         self.val_chars.update(self.token_chars[batch[1]].sum())
 
     def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
         bits = self.val_nats.compute() / self.val_chars.compute() / math.log(2)
-        self.val_nats.reset()
         self.val_chars.reset()
         self.log("val/bits_per_char", bits)
+        super().on_validation_epoch_end()  # after: it resets val_nats
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, int]:
         x, y = batch
@@ -350,7 +362,7 @@ class Seq2SeqModule(TrainingModule):
         loss, logits, _ = self.loss(batch)
         targets = batch["target_out"]
         scored = targets != IGNORE_INDEX
-        self.val_loss.update(loss, weight=scored.sum())  # the loss is a mean over these
+        self.add_val_loss(loss, scored.sum())  # the loss is a mean over these
         self.val_token_accuracy.update(logits.argmax(-1), targets)
 
     def on_validation_epoch_end(self) -> None:
