@@ -179,8 +179,10 @@ def export(options: ExportOptions) -> Path:
             raise ValueError(
                 f"format=hf {obstacle}; export format=safetensors (the default) instead"
             )
-        # GPT-2 gets the tokenizer's rows only: padding rows are never sampled (see to_gpt2).
-        config = replace(config, vocab_size=tokenizer.vocab_size)
+        # GPT-2 gets the tokenizer's rows only: padding rows are never sampled, and a key/value
+        # head for every query head (see to_gpt2): the model this export holds.
+        mha = replace(config.attention, n_kv_head=None)
+        config = replace(config, vocab_size=tokenizer.vocab_size, attention=mha)
     record = {
         "format": options.format,
         "kind": hparams.get("kind", "gpt"),

@@ -5,9 +5,12 @@ hands these to transformers, and model/checkpoint.py reads such an export withou
 GPT-2's block is ours: pre-LayerNorm (eps 1e-5), learned positions, biases, an MLP of
 n_inner = mlp_ratio * n_embd, a head tied to the token embedding. Where it differs it is set to
 match: exact (erf) GELU, "gelu" rather than GPT-2's tanh approximation; no scaling of QKᵀ for our
-scale=1.0. A model without biases exports with zero biases, which compute the same. Its Conv1D
-layers hold their weights as (in, out), the transpose of nn.Linear's, and one c_attn holds the
-query, key and value projections side by side.
+scale=1.0. A model without biases exports with zero biases, which compute the same. GPT-2 has a
+key/value head per query head: a model whose query heads share them (n_kv_head) exports with
+each shared head repeated for its query heads, which computes the same at a larger c_attn, and
+reads back as a plain multi-head model. Its Conv1D layers hold their weights as (in, out), the
+transpose of nn.Linear's, and one c_attn holds the query, key and value projections side by
+side.
 """
 
 import math
@@ -27,11 +30,6 @@ def gpt2_obstacle(model: nn.Module) -> str | None:
     head_dim = config.n_embd // attention.n_head
     if config.position != "learned":
         return f"needs model.position=learned, this checkpoint has {config.position}"
-    if attention.kv_heads != attention.n_head:
-        return (
-            f"needs model.attention.n_kv_head=null (a key/value head per query head), this "
-            f"checkpoint has {attention.n_kv_head}"
-        )
     if attention.window is not None:
         return f"needs model.attention.window=null, this checkpoint has {attention.window}"
     scale = attention.scale_for(head_dim)
@@ -88,11 +86,31 @@ def _layout(n_layer: int) -> list[tuple[tuple[str, ...], str, bool]]:
     return pairs
 
 
+def _unshared_heads(model: GPT, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` with each layer's shared key/value heads repeated for the query heads that share
+    them, in repeat_kv's order (model/attention.py): the projections of multi-head attention
+    that computes the same."""
+    attention = model.config.attention
+    groups = attention.n_head // attention.kv_heads
+    if groups == 1:
+        return state
+    state = dict(state)
+    for i, block in enumerate(model.blocks):
+        for kind in ("weight", "bias"):
+            name = f"blocks.{i}.attn.qkv_proj.{kind}"
+            if name in state:
+                q, k, v = state[name].split(block.attn.widths)
+                k, v = (x.unflatten(0, (attention.kv_heads, -1)) for x in (k, v))
+                k, v = (x.repeat_interleave(groups, dim=0).flatten(0, 1) for x in (k, v))
+                state[name] = torch.cat((q, k, v))
+    return state
+
+
 @torch.no_grad()
 def to_gpt2(model: GPT, vocab_size: int) -> dict[str, Tensor]:
     """`model`'s weights as GPT2LMHeadModel's state dict, cut to the first `vocab_size` tokens:
     the rows that pad a vocabulary are never sampled, and every logit of a real token stays."""
-    state = model.state_dict()
+    state = _unshared_heads(model, model.state_dict())
 
     def ours(name: str) -> Tensor:
         if name in state:

@@ -99,6 +99,8 @@ EXPRESSIBLE = {
     "unscaled": {"attention": AttentionConfig(n_head=4, scale=1.0)},
     "padded_vocabulary": {"vocab_size": 64},
     "mlp_ratio_2": {"mlp_ratio": 2, "n_layer": 3},
+    "gqa": {"n_kv_head": 2},  # each shared key/value head repeated for its 2 query heads
+    "mqa_no_bias": {"n_kv_head": 1, "bias": False},
 }
 
 
@@ -117,6 +119,8 @@ def test_hf_export_computes_our_logits_in_transformers_and_back_in_tinyformer(tm
     torch.testing.assert_close(logits(gpt2, ids), ours, atol=1e-4, rtol=0)
     reloaded, hparams = load(out)  # tinyformer reads GPT-2's layout back
     assert hparams["model"]["vocab_size"] == CHARS.vocab_size
+    assert hparams["model"]["attention"]["n_kv_head"] is None  # GPT-2's heads, unshared
+    assert reloaded.config.attention.kv_heads == model.config.attention.n_head
     torch.testing.assert_close(logits(reloaded, ids), ours, atol=1e-5, rtol=0)
 
 
@@ -161,11 +165,6 @@ NOT_GPT2 = {
     "sinusoidal": (
         {"position": "sinusoidal"},
         "needs model.position=learned, this checkpoint has sinusoidal",
-    ),
-    "gqa": (
-        {"n_kv_head": 2},
-        "needs model.attention.n_kv_head=null (a key/value head per query head), this "
-        "checkpoint has 2",
     ),
     "window": ({"window": 4}, "needs model.attention.window=null, this checkpoint has 4"),
     "scale": (
