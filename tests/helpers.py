@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model.attention import AttentionConfig  # noqa: E402
+from model.checkpoint import build_model  # noqa: E402
 from model.encdec import EncDecConfig, EncoderDecoder  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -151,6 +152,68 @@ def sharpened(model: torch.nn.Module, factor: float = 4.0) -> torch.nn.Module:
         if param.dim() == 2:
             param.mul_(factor)
     return model
+
+
+def group_names(model: torch.nn.Module) -> list[list[str]]:
+    """The names of the parameters in each of model's optimizer param groups, in order."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in model.optimizer_groups(0.1)]
+
+
+def as_saved_before_the_join(model: torch.nn.Module, state: dict) -> tuple[dict, set[str]]:
+    """An optimizer state_dict of `model` as a checkpoint from before attention's projections
+    were joined holds it (q_proj, k_proj, v_proj apart, in that order, each with its own
+    state), and that checkpoint's parameter names."""
+    modules = dict(model.named_modules())
+    saved, split, param_groups, index = set(), {}, [], 0
+    for group, names in zip(state["param_groups"], group_names(model), strict=True):
+        ids = []
+        for old_id, name in zip(group["params"], names, strict=True):
+            module, _, kind = name.rpartition(".")
+            prefix, _, projection = module.rpartition(".")
+            if projection in ("qkv_proj", "kv_proj"):
+                letters = "qkv" if projection == "qkv_proj" else "kv"
+                widths = modules[prefix].widths[-len(letters) :]  # (q, k, v) widths
+                parts = [f"{prefix}.{letter}_proj.{kind}" for letter in letters]
+                pieces = {
+                    key: value.split(widths) if value.dim() else [value] * len(widths)
+                    for key, value in state["state"][old_id].items()
+                }
+                for i, part in enumerate(parts):
+                    saved.add(part)
+                    split[index] = {key: value[i].clone() for key, value in pieces.items()}
+                    ids.append(index)
+                    index += 1
+            else:
+                saved.add(name)
+                split[index] = state["state"][old_id]
+                ids.append(index)
+                index += 1
+        param_groups.append({**group, "params": ids})
+    return {"state": split, "param_groups": param_groups}, saved
+
+
+def checkpoint_before_the_join(checkpoint: dict) -> dict:
+    """A Lightning checkpoint of this version as one from before attention's q, k and v
+    projections were joined: its weights and its optimizer state held apart."""
+    model = build_model(
+        checkpoint["hyper_parameters"]["kind"], checkpoint["hyper_parameters"]["model"]
+    )
+    weights = {}
+    for key, value in checkpoint["state_dict"].items():
+        module, _, kind = key.rpartition(".")
+        prefix, _, projection = module.rpartition(".")
+        if projection not in ("qkv_proj", "kv_proj"):
+            weights[key] = value
+            continue
+        letters = "qkv" if projection == "qkv_proj" else "kv"
+        attention = dict(model.named_modules())[prefix.removeprefix("model.")]
+        for letter, part in zip(
+            letters, value.split(attention.widths[-len(letters) :]), strict=True
+        ):
+            weights[f"{prefix}.{letter}_proj.{kind}"] = part.clone()
+    states = [as_saved_before_the_join(model, state)[0] for state in checkpoint["optimizer_states"]]
+    return {**checkpoint, "state_dict": weights, "optimizer_states": states}
 
 
 def clean_env(cache_dir: Path, **extra: str) -> dict[str, str]:

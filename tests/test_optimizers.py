@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import tiny_gpt
+from helpers import as_saved_before_the_join, group_names, tiny_encdec, tiny_gpt
 from training.module import OptimConfig
-from training.optimizers import MuonWithAdamW, build_optimizer
+from training.optimizers import MuonWithAdamW, build_optimizer, join_saved_state
 
 BETAS = (0.9, 0.99)
+RATES = {"lr": 1e-3, "betas": BETAS, "muon_lr": 4e-3}
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,3 +125,72 @@ def test_a_restored_optimizer_continues_exactly():
 def test_bad_optimizer_options_are_one_line_errors(options, message):
     with pytest.raises(ValueError, match=message):
         OptimConfig(**options)
+
+
+# --------------------------------------------------------------------------- older checkpoints
+
+
+def encdec_steps(model, optimizer, seeds) -> None:
+    model.train()
+    for seed in seeds:
+        source, target = batch(seed)
+        logits = model(source, target)[0]
+        F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize(
+    ("make", "steps"),
+    [
+        (lambda: tiny_gpt(11, n_kv_head=2), train_steps),
+        (lambda: tiny_gpt(11, bias=False), train_steps),
+        (lambda: tiny_encdec(11, n_kv_head=1), encdec_steps),  # cross-attention's kv_proj too
+    ],
+    ids=["gpt_gqa", "gpt_no_bias", "encdec_mqa"],
+)
+def test_an_optimizer_state_saved_before_q_k_v_were_joined_is_joined_like_the_weights(make, steps):
+    torch.manual_seed(0)
+    model = make()
+    optimizer = build_optimizer("adamw", model.optimizer_groups(0.1), **RATES)
+    steps(model, optimizer, [1, 2])
+    state = copy.deepcopy(optimizer.state_dict())  # a saved one: no tensor shared with `optimizer`
+    older, saved = as_saved_before_the_join(model, state)
+    assert len(older["state"]) > len(state["state"])  # the test's premise: it did split some
+
+    joined = join_saved_state(older, group_names(model), saved)
+    assert [g["params"] for g in joined["param_groups"]] == [
+        g["params"] for g in state["param_groups"]
+    ]
+    assert joined["state"].keys() == state["state"].keys()
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(joined["state"][index][key], value), (index, key)
+    # ...and training goes on from it exactly as from the state it was split from
+    restored = copy.deepcopy(model)
+    optimizer_again = build_optimizer("adamw", restored.optimizer_groups(0.1), **RATES)
+    optimizer_again.load_state_dict(joined)
+    steps(model, optimizer, [3])
+    steps(restored, optimizer_again, [3])
+    for (name, a), b in zip(
+        model.state_dict().items(), restored.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_a_state_of_another_layout_is_left_for_the_optimizer_to_refuse():
+    model = tiny_gpt(11)
+    state = build_optimizer("adamw", model.optimizer_groups(0.1), **RATES).state_dict()
+    names = group_names(model)
+    assert join_saved_state(state, names, {n for group in names for n in group}) is state
+    other = {
+        "state": {},
+        "param_groups": [{**g, "params": g["params"][:-1]} for g in state["param_groups"]],
+    }
+    saved = {
+        n.replace("qkv_proj", p)
+        for group in names
+        for n in group
+        for p in ("q_proj", "k_proj", "v_proj")
+    }
+    assert join_saved_state(other, names, saved) is other

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SMALLEST, fault, run_training
+from helpers import SMALLEST, checkpoint_before_the_join, fault, run_training
 from training.module import OptimConfig
 from training.resume import resume_conflicts
 from wandb_offline import config, history, run_files, run_info
@@ -102,6 +102,28 @@ def test_killed_run_resumes_to_the_same_weights_and_history(
     # The first start's record is kept; the resumed one is beside it.
     assert "SignalAt" in (run_dir / ".hydra" / "overrides.yaml").read_text()
     assert (run_dir / ".hydra" / "resume-1" / "overrides.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_q_k_v_were_joined_resumes_to_the_same_weights(
+    tmp_path, cache, straight
+):
+    run_dir = tmp_path / "run"
+    stop = fault("SignalAt", step=25, signum=signal.SIGTERM)
+    killed = run_training(cache, *TINY, f"hydra.run.dir={run_dir}", *stop)
+    assert killed.returncode == 128 + signal.SIGTERM, killed.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    older = checkpoint_before_the_join(torch.load(last, weights_only=True))
+    assert "model.blocks.0.attn.k_proj.weight" in older["state_dict"]  # the premise
+    last.unlink()  # a file of its own, not the checkpoint it may be a hard link to
+    torch.save(older, last)
+
+    resumed = run_training(cache, f"ckpt_path={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final, expected = weights(run_dir), weights(straight)
+    assert final.keys() == expected.keys()  # saved in today's layout
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
 
 
 @pytest.mark.slow

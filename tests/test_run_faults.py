@@ -87,9 +87,8 @@ def test_a_checkpoint_whose_optimizer_groups_do_not_fit_is_one_line(tmp_path):
     assert errors == [
         f"error: ckpt_path={last}: its optimizer state does not fit this model's parameter "
         "groups (a checkpoint of a tinyformer from before weight decay was chosen by module "
-        "type or before attention's q, k and v projections were joined, or of another model): "
-        "resume it with the version that wrote it, or start a new run; generate.py, evaluate.py "
-        "and export.py read it as it is"
+        "type, or of another model): resume it with the version that wrote it, or start a new "
+        "run; generate.py, evaluate.py and export.py read it as it is"
     ]
 
 

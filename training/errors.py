@@ -37,10 +37,9 @@ def optimizer_state_mismatch(error: ValueError, checkpoint: Path | None) -> None
         return
     raise ValueError(
         f"ckpt_path={checkpoint}: its optimizer state does not fit this model's parameter groups "
-        "(a checkpoint of a tinyformer from before weight decay was chosen by module type or "
-        "before attention's q, k and v projections were joined, or of another model): resume it "
-        "with the version that wrote it, or start a new run; generate.py, evaluate.py and "
-        "export.py read it as it is"
+        "(a checkpoint of a tinyformer from before weight decay was chosen by module type, or "
+        "of another model): resume it with the version that wrote it, or start a new run; "
+        "generate.py, evaluate.py and export.py read it as it is"
     ) from None
 
 

@@ -24,7 +24,7 @@ from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
 from model.inspect import token_labels
 from training.guard import TrainingDiverged, UpdateGuard, check_nonfinite_action
-from training.optimizers import OPTIMIZERS, build_optimizer, peak_rates
+from training.optimizers import OPTIMIZERS, build_optimizer, join_saved_state, peak_rates
 
 # query labels and key labels of an attention map, by the map's name
 LabelsFor = Callable[[str], tuple[list[str], list[str]]]
@@ -169,6 +169,16 @@ class TrainingModule(L.LightningModule):
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
         # checkpoints from before val/best_loss have none: every loss since is the best so far
         self.best_val_loss = checkpoint.get("best_val_loss", math.inf)
+        # Checkpoints from before attention's q, k and v projections were joined: the model
+        # joins their weights as it loads them, and the optimizer state is joined alike here,
+        # before Lightning hands it to the optimizer.
+        if "optimizer_states" in checkpoint:
+            saved = {name.removeprefix("model.") for name in checkpoint["state_dict"]}
+            names = {id(param): name for name, param in self.model.named_parameters()}
+            groups = [[names[id(p)] for p in g["params"]] for g in self.model.optimizer_groups(0)]
+            checkpoint["optimizer_states"] = [
+                join_saved_state(state, groups, saved) for state in checkpoint["optimizer_states"]
+            ]
 
     def on_train_start(self) -> None:
         # A run resumed with another optim.lr or muon_lr: the restored schedule keeps the

@@ -87,3 +87,47 @@ def peak_rates(optimizer: Optimizer, lr: float, muon_lr: float) -> list[float]:
         muon, adamw = len(optimizer.muon.param_groups), len(optimizer.adamw.param_groups)
         return [muon_lr] * muon + [lr] * adamw
     return [lr] * len(optimizer.param_groups)
+
+
+# Attention's joined projections (model/attention.py) and the parameters they replaced, in the
+# order checkpoints from before the join hold them: q_proj, k_proj, v_proj.
+JOINED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
+
+
+def saved_parts(name: str, saved: set[str]) -> list[str]:
+    """The parameters of a checkpoint (`saved`: its parameter names) that parameter `name` of
+    the model joins: [name], unless the checkpoint holds its parts apart."""
+    module, _, kind = name.rpartition(".")
+    prefix, _, projection = module.rpartition(".")
+    parts = [f"{prefix}.{part}.{kind}" for part in JOINED_PROJECTIONS.get(projection, ())]
+    return parts if parts and all(part in saved for part in parts) else [name]
+
+
+def join_saved_state(state: dict, groups: list[list[str]], saved: set[str]) -> dict:
+    """An optimizer's state_dict from a checkpoint whose model held q_proj, k_proj and v_proj
+    apart (`saved`: its parameter names), for param groups that hold the parameters named in
+    `groups` now: each joined parameter's state (AdamW's moments, Muon's momentum) is its parts'
+    end to end, as its weight is. A state that does not fit that layout comes back as it is,
+    for the optimizer's own check to refuse."""
+    parts = [[saved_parts(name, saved) for name in names] for names in groups]
+    sizes = [sum(map(len, group)) for group in parts]
+    saved_sizes = [len(group["params"]) for group in state["param_groups"]]
+    if sizes == [len(names) for names in groups] or sizes != saved_sizes:
+        return state  # nothing joined, or another layout
+    joined, param_groups, index = {}, [], 0
+    for group, group_parts in zip(state["param_groups"], parts, strict=True):
+        saved_ids = iter(group["params"])
+        param_groups.append({**group, "params": list(range(index, index + len(group_parts)))})
+        for names in group_parts:
+            entries = [state["state"].get(next(saved_ids)) for _ in names]
+            if any(entry is not None for entry in entries):
+                if any(entry is None for entry in entries):
+                    return state
+                joined[index] = {
+                    key: torch.cat([entry[key] for entry in entries])
+                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                    else value
+                    for key, value in entries[0].items()
+                }
+            index += 1
+    return {"state": joined, "param_groups": param_groups}
