@@ -91,8 +91,9 @@ def generate(
 def without_onednn(model: nn.Module, call: Callable) -> Callable:
     """call (one of model's methods) run with oneDNN off, for an fp32 model on the CPU. torch
     sends GELU, among others, through oneDNN there, at a fixed cost of ~8 µs a call that a
-    decoding step's one-token tensors feel: off, cached decoding runs ~9% faster, and the
-    uncached no slower (bench/generate_speed.py). Other dtypes keep it: bf16 matmuls need it.
+    decoding step's one-token tensors feel: off, cached decoding of nanoGPT's 6x384 shape ran
+    ~9% faster, and the uncached no slower (BENCHMARKS.md). Other dtypes keep it: bf16 matmuls
+    need it.
     The flag is global, so it is set around each step, never across a yield."""
     weight = next(model.parameters())
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
