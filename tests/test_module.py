@@ -165,3 +165,46 @@ def test_best_loss_is_the_lowest_finite_val_loss_and_survives_a_checkpoint(monke
     older.on_load_checkpoint({"skipped_steps": 0})
     assert best_after(older, math.inf) == math.inf
     assert best_after(older, 9.0) == 9.0
+
+
+@pytest.mark.parametrize("kind", ["gpt", "encdec"])
+def test_throughput_counts_each_steps_real_tokens_on_every_rank(monkeypatch, kind):
+    tokenizer = CharTokenizer(list("abcde"))
+    if kind == "gpt":
+        config = tiny_gpt_config(tokenizer.vocab_size, n_layer=1).to_dict()
+        module = LanguageModelModule(config, {"lr": 1e-3}, tokenizer.to_dict())
+        batch = (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+        tokens = 8
+    else:
+        config = tiny_encdec(tokenizer.vocab_size).config.to_dict()
+        module = Seq2SeqModule(config, {"lr": 1e-3}, tokenizer.to_dict())
+        words = torch.full((2, 5), FIRST_WORD)
+        source_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+        target_mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+        batch = {
+            "source": words,
+            "target_in": words,
+            "target_out": words,
+            "source_mask": source_mask,
+            "target_mask": target_mask,
+        }
+        tokens = 8 + 6  # the real tokens of both sides, padding left out
+    logged = {}
+
+    def log(name, value, **_):
+        logged[name] = float(torch.as_tensor(value).detach())
+
+    monkeypatch.setattr(module, "log", log)
+    monkeypatch.setattr(module, "lr_schedulers", lambda: SimpleNamespace(get_last_lr=lambda: [1]))
+    clock = iter([10.0, 11.0, 12.0, 14.0])  # the ends of steps 1 to 4
+    monkeypatch.setattr("training.module.time.perf_counter", lambda: next(clock))
+    module.trainer = SimpleNamespace(world_size=2, log_every_n_steps=2, global_step=0)
+    rates = []
+    for step in range(4):
+        module.trainer.global_step = step
+        module.training_step(batch, step)
+        module.trainer.global_step = step + 1  # the optimizer stepped
+        module.on_train_batch_end(None, batch, step)
+        rates.append(logged.pop("train/tokens_per_sec", None))
+    # the window opens at step 1's end; step 2 adds 1 s, steps 3 and 4 add 3 s
+    assert rates == [None, pytest.approx(2 * tokens / 1.0), None, pytest.approx(4 * tokens / 3.0)]
