@@ -160,58 +160,61 @@ def group_names(model: torch.nn.Module) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in model.optimizer_groups(0.1)]
 
 
+def projections_it_joins(name: str, modules: dict) -> tuple[list[str], list[int]] | None:
+    """For a parameter of a joined projection (qkv_proj, or cross-attention's kv_proj), the
+    names of the parameters it replaced and their widths; None for any other. `modules`: the
+    model's named_modules(); a "model." prefix (a checkpoint's) is kept in the names."""
+    module, _, kind = name.rpartition(".")
+    prefix, _, projection = module.rpartition(".")
+    if projection not in ("qkv_proj", "kv_proj"):
+        return None
+    letters = "qkv" if projection == "qkv_proj" else "kv"
+    widths = modules[prefix.removeprefix("model.")].widths[-len(letters) :]  # (q, k, v) widths
+    return [f"{prefix}.{letter}_proj.{kind}" for letter in letters], list(widths)
+
+
 def as_saved_before_the_join(model: torch.nn.Module, state: dict) -> tuple[dict, set[str]]:
     """An optimizer state_dict of `model` as a checkpoint from before attention's projections
     were joined holds it (q_proj, k_proj, v_proj apart, in that order, each with its own
     state), and that checkpoint's parameter names."""
     modules = dict(model.named_modules())
-    saved, split, param_groups, index = set(), {}, [], 0
+    saved, split, param_groups = set(), {}, []
     for group, names in zip(state["param_groups"], group_names(model), strict=True):
-        ids = []
+        start = len(split)
         for old_id, name in zip(group["params"], names, strict=True):
-            module, _, kind = name.rpartition(".")
-            prefix, _, projection = module.rpartition(".")
-            if projection in ("qkv_proj", "kv_proj"):
-                letters = "qkv" if projection == "qkv_proj" else "kv"
-                widths = modules[prefix].widths[-len(letters) :]  # (q, k, v) widths
-                parts = [f"{prefix}.{letter}_proj.{kind}" for letter in letters]
-                pieces = {
-                    key: value.split(widths) if value.dim() else [value] * len(widths)
-                    for key, value in state["state"][old_id].items()
-                }
-                for i, part in enumerate(parts):
-                    saved.add(part)
-                    split[index] = {key: value[i].clone() for key, value in pieces.items()}
-                    ids.append(index)
-                    index += 1
-            else:
+            entry = state["state"][old_id]
+            joined = projections_it_joins(name, modules)
+            if joined is None:
                 saved.add(name)
-                split[index] = state["state"][old_id]
-                ids.append(index)
-                index += 1
-        param_groups.append({**group, "params": ids})
+                split[len(split)] = entry
+                continue
+            parts, widths = joined
+            pieces = {
+                key: value.split(widths) if value.dim() else [value] * len(widths)
+                for key, value in entry.items()
+            }
+            for i, part in enumerate(parts):
+                saved.add(part)
+                split[len(split)] = {key: value[i].clone() for key, value in pieces.items()}
+        param_groups.append({**group, "params": list(range(start, len(split)))})
     return {"state": split, "param_groups": param_groups}, saved
 
 
 def checkpoint_before_the_join(checkpoint: dict) -> dict:
     """A Lightning checkpoint of this version as one from before attention's q, k and v
     projections were joined: its weights and its optimizer state held apart."""
-    model = build_model(
-        checkpoint["hyper_parameters"]["kind"], checkpoint["hyper_parameters"]["model"]
-    )
+    hparams = checkpoint["hyper_parameters"]
+    model = build_model(hparams["kind"], hparams["model"])
+    modules = dict(model.named_modules())
     weights = {}
     for key, value in checkpoint["state_dict"].items():
-        module, _, kind = key.rpartition(".")
-        prefix, _, projection = module.rpartition(".")
-        if projection not in ("qkv_proj", "kv_proj"):
+        joined = projections_it_joins(key, modules)
+        if joined is None:
             weights[key] = value
             continue
-        letters = "qkv" if projection == "qkv_proj" else "kv"
-        attention = dict(model.named_modules())[prefix.removeprefix("model.")]
-        for letter, part in zip(
-            letters, value.split(attention.widths[-len(letters) :]), strict=True
-        ):
-            weights[f"{prefix}.{letter}_proj.{kind}"] = part.clone()
+        parts, widths = joined
+        for part, piece in zip(parts, value.split(widths), strict=True):
+            weights[part] = piece.clone()
     states = [as_saved_before_the_join(model, state)[0] for state in checkpoint["optimizer_states"]]
     return {**checkpoint, "state_dict": weights, "optimizer_states": states}
 
