@@ -358,6 +358,11 @@ class KVCache:
             self._v = self._v.index_select(0, index)
 
 
+# The joined projections (self-attention's qkv_proj, cross-attention's kv_proj) and the ones each
+# replaced, in the order checkpoints from before the join hold them.
+JOINED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head self- or cross-attention with grouped key/value heads.
 
@@ -415,14 +420,13 @@ class MultiHeadAttention(nn.Module):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
         # Checkpoints written before the projections were joined hold q_proj, k_proj and v_proj
         # apart: join them the same way, so that those checkpoints load as they are.
+        joined = "kv_proj" if self.is_cross else "qkv_proj"
         for kind in ("weight", "bias"):
-            q, k, v = (f"{prefix}{name}_proj.{kind}" for name in "qkv")
-            if k in state_dict and v in state_dict:
-                kv = torch.cat((state_dict.pop(k), state_dict.pop(v)))
-                if self.is_cross:
-                    state_dict[f"{prefix}kv_proj.{kind}"] = kv
-                elif q in state_dict:
-                    state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat((state_dict.pop(q), kv))
+            parts = [f"{prefix}{part}.{kind}" for part in JOINED_PROJECTIONS[joined]]
+            if all(part in state_dict for part in parts):
+                state_dict[f"{prefix}{joined}.{kind}"] = torch.cat(
+                    [state_dict.pop(p) for p in parts]
+                )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _split_heads(self, x: Tensor, n_head: int) -> Tensor:

@@ -10,6 +10,8 @@ checkpoint entry holds both), and step() steps both.
 import torch
 from torch.optim import AdamW, Optimizer
 
+from model.attention import JOINED_PROJECTIONS
+
 OPTIMIZERS = ("adamw", "muon")
 
 
@@ -87,11 +89,6 @@ def peak_rates(optimizer: Optimizer, lr: float, muon_lr: float) -> list[float]:
         muon, adamw = len(optimizer.muon.param_groups), len(optimizer.adamw.param_groups)
         return [muon_lr] * muon + [lr] * adamw
     return [lr] * len(optimizer.param_groups)
-
-
-# Attention's joined projections (model/attention.py) and the parameters they replaced, in the
-# order checkpoints from before the join hold them: q_proj, k_proj, v_proj.
-JOINED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
 
 
 def saved_parts(name: str, saved: set[str]) -> list[str]:
