@@ -38,6 +38,7 @@ from training.errors import (
 from training.guard import TrainingDiverged, all_steps_skipped, check_nonfinite_action
 from training.kinds import ModelKind, check_fits_data, kind_of
 from training.module import OptimConfig, TrainingModule
+from training.precision import fast_precision
 from training.resume import (
     Resume,
     ResumeState,
@@ -67,6 +68,7 @@ from training.wandb_run import run_names
 
 OmegaConf.register_new_resolver("sqlite_url", sqlite_url)
 OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir)
+OmegaConf.register_new_resolver("fast_precision", fast_precision)
 # Cached: Hydra reads the value more than once, and it must not change once the record is written.
 OmegaConf.register_new_resolver("hydra_record_dir", hydra_record_dir, use_cache=True)
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runs import median_after, train  # noqa: E402
 
+import train as train_script  # noqa: E402, F401 (registers the resolvers the configs use)
 from data.lm import LMDataModule  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from training.module import OptimConfig  # noqa: E402

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 from model.checkpoint import find_checkpoint, load_checkpoint  # noqa: E402
+from training.precision import cpu_capabilities, fast_precision  # noqa: E402
 
 # nanoGPT's README recipes, as its command-line flags (on top of its shakespeare_char config)
 # and as ours. Both: AdamW (weight decay 0.1 on matrices), beta2 0.99, warm-up 100, cosine to
@@ -50,9 +51,9 @@ RECIPES = {
         "dropout": 0.0,
         "eval_iters": 20,
         "nanogpt": ["--device=cpu", "--compile=False"],
-        # bf16 matmuls, on the AMX units of this project's CPU. nanoGPT's --dtype applies to
-        # CUDA only: on a CPU it trains in fp32.
-        "ours": ["trainer.precision=bf16-mixed"],
+        # bf16 matmuls where the CPU has bf16 units (AMX, AVX512-BF16), else fp32 as nanoGPT:
+        # its --dtype applies to CUDA only, so on a CPU it trains in fp32.
+        "ours": [f"trainer.precision={fast_precision('cpu')}"],
     },
     "gpu": {
         "shape": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "batch_size": 64},
@@ -291,7 +292,8 @@ def main() -> None:
     print(f"recipe {args.recipe}, {steps} steps, {args.pairs} pairs; scratch {scratch}")
     ours = "our own recipe" if own else f"the same recipe, with {' '.join(recipe['ours'])}"
     ours += f", {' '.join(extra)}" if extra else ""
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ours: {ours}")
+    cpu = cpu_capabilities().get("cpu_name", "")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs {cpu}; ours: {ours}")
 
     # One short untimed run of each first: the data cache, the page cache and any compile cache
     # are then warm for both sides, as for a user's second run.
