@@ -9,7 +9,14 @@ import torch.nn.functional as F
 
 from helpers import as_saved_before_the_join, group_names, tiny_encdec, tiny_gpt
 from training.module import OptimConfig
-from training.optimizers import MuonWithAdamW, build_optimizer, join_saved_state
+from training.optimizers import (
+    Muon,
+    MuonWithAdamW,
+    build_optimizer,
+    join_saved_state,
+    orthogonalized,
+)
+from training.precision import multiplies_bf16
 
 BETAS = (0.9, 0.99)
 RATES = {"lr": 1e-3, "betas": BETAS, "muon_lr": 4e-3}
@@ -41,6 +48,65 @@ def muon_gpt(seed: int = 0):
     return model, optimizer
 
 
+def matrices(seed: int) -> list[torch.nn.Parameter]:
+    """A wide, a tall and a square weight matrix, each with a gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(8, 24), (24, 8), (16, 16)]
+    weights = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+    for weight in weights:
+        weight.grad = torch.randn(weight.shape, generator=generator)
+    return weights
+
+
+def muon_steps(optimizer_class, steps: int = 3, **options) -> list[torch.Tensor]:
+    weights = matrices(0)
+    optimizer = optimizer_class(weights, lr=0.02, weight_decay=0.1, **options)
+    for step in range(steps):
+        for weight, fresh in zip(weights, matrices(step + 1), strict=True):
+            weight.grad = fresh.grad
+        optimizer.step()
+    return [weight.detach() for weight in weights]
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"adjust_lr_fn": "match_rms_adamw"}, {"nesterov": False, "momentum": 0.9}],
+)
+def test_muon_in_bf16_is_torchs_to_the_bit(options):
+    ours = muon_steps(Muon, ns_dtype=torch.bfloat16, **options)
+    theirs = muon_steps(torch.optim.Muon, **options)
+    for mine, reference in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, reference, rtol=0, atol=0)
+
+
+def test_muon_orthogonalises_in_bf16_only_where_the_device_multiplies_in_it():
+    native = torch.bfloat16 if multiplies_bf16("cpu") else torch.float32
+    emulated = torch.float32 if native == torch.bfloat16 else torch.bfloat16
+    chosen = muon_steps(Muon, steps=1)
+    for mine, reference in zip(chosen, muon_steps(Muon, steps=1, ns_dtype=native), strict=True):
+        torch.testing.assert_close(mine, reference, rtol=0, atol=0)
+    other = muon_steps(Muon, steps=1, ns_dtype=emulated)
+    assert any(not torch.equal(a, b) for a, b in zip(chosen, other, strict=True))
+
+
+@pytest.mark.parametrize("shape", [(8, 24), (24, 8)])
+def test_newton_schulz_in_fp32_brings_singular_values_near_one_as_in_bf16(shape):
+    update = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    coefficients = (3.4445, -4.7750, 2.0315)
+    fp32 = orthogonalized(update, coefficients, 5, 1e-7, torch.float32)
+    bf16 = orthogonalized(update, coefficients, 5, 1e-7, torch.bfloat16)
+    assert fp32.dtype == torch.float32 and fp32.shape == update.shape
+    singular_values = torch.linalg.svdvals(fp32)
+    assert singular_values.min() > 0.5 and singular_values.max() < 1.3
+    torch.testing.assert_close(fp32, bf16.float(), rtol=0, atol=0.05)
+
+
+def test_muon_takes_only_matrices():
+    with pytest.raises(ValueError, match="2-D weight matrices only"):
+        Muon([torch.nn.Parameter(torch.zeros(4))])
+
+
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     model, optimizer = muon_gpt()
     assert isinstance(optimizer, MuonWithAdamW)
@@ -56,8 +122,10 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert matrices.isdisjoint(others) and len(matrices | others) == len(names)
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
 def test_steps_are_those_of_torchs_muon_and_adamw_side_by_side():
     model, optimizer = muon_gpt()
+    optimizer.muon.ns_dtype = torch.bfloat16  # torch's Muon orthogonalises in bf16 everywhere
     torch.manual_seed(0)
     twin = tiny_gpt(11)
     decayed, kept = twin.optimizer_groups(0.1)

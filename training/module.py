@@ -49,11 +49,6 @@ class OptimConfig:
         check_field_types(self, "optim.")
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optim.name={self.name!r} is not one of {', '.join(OPTIMIZERS)}")
-        if self.name == "muon" and not hasattr(torch.optim, "Muon"):
-            raise ValueError(
-                f"optim.name=muon needs torch.optim.Muon (torch >= 2.9); this is torch "
-                f"{torch.__version__}: upgrade torch or use optim.name=adamw"
-            )
         for name in ("lr", "muon_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"optim.{name} must be > 0, got {getattr(self, name)}")
