@@ -19,6 +19,15 @@ from training.precision import multiplies_bf16
 OPTIMIZERS = ("adamw", "muon")
 
 
+def closure_loss(closure) -> Tensor | None:
+    """What an optimizer's optional closure returns, run with gradients on (inside a step,
+    they are off)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def orthogonalized(
     update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype
 ) -> Tensor:
@@ -78,10 +87,7 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for param in group["params"]:
@@ -136,10 +142,7 @@ class MuonWithAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         # The update guard's flag (training/guard.py): fused AdamW reads it in its kernel, Muon
         # cannot, so a flagged step skips Muon here, at the price of one host sync a step.
         found_inf = self.adamw.found_inf = getattr(self, "found_inf", None)
