@@ -102,6 +102,17 @@ def test_newton_schulz_in_fp32_brings_singular_values_near_one_as_in_bf16(shape)
     torch.testing.assert_close(fp32, bf16.float(), rtol=0, atol=0.05)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_orthogonalising_leaves_the_momentum_buffer_alone(dtype):
+    # without Nesterov the update is the buffer itself; it must come out as a plain average
+    weights = matrices(0)
+    optimizer = Muon(weights, lr=0.02, momentum=0.9, nesterov=False, ns_dtype=dtype)
+    optimizer.step()
+    for weight in weights:
+        expected = torch.zeros_like(weight.grad).lerp_(weight.grad, 0.1)
+        assert torch.equal(optimizer.state[weight]["momentum_buffer"], expected)
+
+
 def test_muon_takes_only_matrices():
     with pytest.raises(ValueError, match="2-D weight matrices only"):
         Muon([torch.nn.Parameter(torch.zeros(4))])

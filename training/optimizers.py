@@ -36,7 +36,7 @@ def orthogonalized(
     wide side of the matrix."""
     a, b, c = coefficients
     tall = update.size(0) > update.size(1)
-    x = update.to(dtype)
+    x = update.to(dtype, copy=True)  # not the momentum buffer itself, which div_ would scale
     if tall:
         x = x.T
     x.div_(x.norm().clamp(min=eps))  # spectral norm <= 1, where the iteration converges
