@@ -24,9 +24,10 @@ from data.tokenizer import tokenizer_from_dict
 from errors import USER_ERRORS, check_field_types, exit_on_user_error
 from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
+from model.figures import plot_heads
 from model.generation import beam_search, decode_greedy_or_sample, decoding_ids
 from model.gpt import GPT
-from model.inspect import plot_heads, record_attention, self_attention_figure, token_labels
+from model.inspect import head_maps, record_attention, self_attention_figure, token_labels
 from model.sampling import SEPARATOR, SamplingConfig, encode, stream_samples
 
 if TYPE_CHECKING:  # matplotlib loads when a figure is drawn
@@ -192,7 +193,7 @@ def save_cross_attention(
     source = torch.tensor([source_ids], device=device)
     target = torch.tensor([target_in], device=device)
     records = record_attention(model, lambda: model(source, target))
-    cross = [r for r in records if r.name.endswith("cross_attn")]
+    cross = [head_maps(r) for r in records if r.name.endswith("cross_attn")]
     labels = token_labels(tokenizer, target_in), token_labels(tokenizer, source_ids)
     save_figure(plot_heads(cross, *labels, "cross-attention"), path, "cross-attention map")
 

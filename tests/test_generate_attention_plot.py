@@ -7,7 +7,8 @@ import torch
 
 from data.tokenizer import CharTokenizer
 from helpers import run_script, save_checkpoint, sharpened, tiny_gpt
-from model.inspect import MAX_LABELLED_TOKENS, self_attention_figure, token_label
+from model.figures import MAX_LABELLED_TOKENS, token_label
+from model.inspect import self_attention_figure
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 CHARS = CharTokenizer.from_text(TEXT)

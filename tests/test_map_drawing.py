@@ -2,10 +2,15 @@
 drawn as PNG files, a map that cannot be drawn is reported without ending the others, and
 close() ends the process."""
 
+import pickle
+import subprocess
+import sys
+
 import numpy as np
 from matplotlib.image import imread
 
-from training.map_drawing import MapDrawer, MapJob
+from model.figures import HeadMaps
+from training.map_drawing import ROOT, MapDrawer, MapJob
 
 
 def job(tmp_path, step: int, shape: tuple = (2, 3, 3), labels: list[str] | None = None) -> MapJob:
@@ -15,7 +20,7 @@ def job(tmp_path, step: int, shape: tuple = (2, 3, 3), labels: list[str] | None 
         key="attention/layer0/attn",
         path=str(tmp_path / f"map{step}.png"),
         title=f"step {step}",
-        records=[("layer0/attn", weights, np.zeros_like(weights))],
+        maps=[HeadMaps("layer0/attn", weights, np.zeros(len(weights)))],
         query_labels=labels,
         key_labels=labels,
     )
@@ -55,3 +60,25 @@ def test_a_killed_drawing_process_is_reported_not_raised(tmp_path):
     assert drawer.failure.startswith("the drawing process ended (status -9) with 1 maps undrawn")
     assert drawer.drawn(wait=True) == []  # and later calls return at once
     drawer.close()
+
+
+DRAW_AND_LIST_IMPORTS = """
+import pickle, sys
+from training.map_drawing import draw
+draw(pickle.loads(sys.stdin.buffer.read()))
+print(sorted(name for name in ("torch", "numpy", "matplotlib") if name in sys.modules))
+"""
+
+
+def test_the_drawing_process_draws_without_importing_torch(tmp_path):
+    # torch takes seconds to import on a small CPU, which the last maps of a run waited for
+    drawing = job(tmp_path, 10, labels=["a", "b", "c"])
+    result = subprocess.run(
+        [sys.executable, "-c", DRAW_AND_LIST_IMPORTS],
+        input=pickle.dumps(drawing),
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    )
+    assert result.stdout.decode().split("\n")[-2] == "['matplotlib', 'numpy']"
+    assert imread(drawing.path).shape[1] > 100

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from errors import check_int
-from model.inspect import AttentionRecord, head_statistics, record_attention
+from model.inspect import AttentionRecord, head_maps, head_statistics, record_attention
 from training.map_drawing import DrawnMap, MapDrawer, MapJob
 
 
@@ -142,14 +142,13 @@ class AttentionMapLogger(L.Callback):
             query_labels, key_labels = labels_for(record.name)
             if max(len(query_labels), len(key_labels)) > self.max_labelled_tokens:
                 query_labels = key_labels = None
-            arrays = (record.weights.cpu().numpy(), record.scores.cpu().numpy())
             self._drawer.submit(
                 MapJob(
                     step=step,
                     key=f"attention/{record.name}",
                     path=str(folder / f"{record.name.replace('/', '_')}_step{step:06d}.png"),
                     title=f"{record.name} — step {step}",
-                    records=[(record.name, *arrays)],
+                    maps=[head_maps(record)],
                     query_labels=query_labels,
                     key_labels=key_labels,
                 )

@@ -3,8 +3,9 @@
 Drawing a layer's heads takes 0.1-1 s of Python, which on the training thread stalls every
 step behind it (88 s of a 302 s GPU run). The training process records the maps on its device
 and sends them here as numpy arrays; `python -m training.map_drawing` (a plain process, not a
-fork of the trainer: it imports torch, numpy and matplotlib only) draws each into a PNG file at
-low priority and answers with the path, which the callback then logs.
+fork of the trainer: it imports numpy and matplotlib only, no torch, so that it is ready within
+about a second) draws each into a PNG file at low priority and answers with the path, which the
+callback then logs.
 """
 
 import os
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from model.figures import HeadMaps
 
 # The project's root: the drawing process runs there.
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,13 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class MapJob:
-    """One figure: the attention records (name, weights (H, Tq, Tk), scores) of one layer."""
+    """One figure: the maps of one layer."""
 
     step: int
     key: str  # the logged name, e.g. attention/layer0/attn
     path: str  # the PNG file to write
     title: str
-    records: list[tuple[str, np.ndarray, np.ndarray]]
+    maps: list[HeadMaps]
     query_labels: list[str] | None
     key_labels: list[str] | None
 
@@ -116,17 +117,12 @@ class MapDrawer:
 
 
 def draw(job: MapJob) -> DrawnMap:
-    import torch
     from matplotlib.image import imsave
 
-    from model.inspect import AttentionRecord, figure_to_array, plot_heads
+    from model.figures import figure_to_array, plot_heads
 
     started = time.perf_counter()
-    records = [
-        AttentionRecord(name, torch.from_numpy(weights), torch.from_numpy(scores))
-        for name, weights, scores in job.records
-    ]
-    figure = plot_heads(records, job.query_labels, job.key_labels, job.title)
+    figure = plot_heads(job.maps, job.query_labels, job.key_labels, job.title)
     Path(job.path).parent.mkdir(parents=True, exist_ok=True)
     imsave(job.path, figure_to_array(figure))
     return DrawnMap(job.step, job.key, job.path, time.perf_counter() - started)
