@@ -6,6 +6,15 @@ build (Trainer, data, LightningModule), fit, summarise (summary.json and the end
 printout). train() returns the best validation loss, which Hydra's sweepers minimise.
 """
 
+import gc
+
+# The imports below build a heap of about 400,000 objects (torch, Lightning, Hydra) that lives
+# as long as the process. On a 2-core CPU, collecting over it while it grew took 1.1 s of the
+# start, and collecting over it again at exit 2 s; none of it is garbage. So no collection until
+# the imports are done, and then those objects are frozen out of every later one.
+gc.disable()
+# ruff: noqa: E402 (the imports come after gc.disable())
+
 import dataclasses
 import signal
 import sys
@@ -71,6 +80,8 @@ OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir)
 OmegaConf.register_new_resolver("fast_precision", fast_precision)
 # Cached: Hydra reads the value more than once, and it must not change once the record is written.
 OmegaConf.register_new_resolver("hydra_record_dir", hydra_record_dir, use_cache=True)
+gc.freeze()
+gc.enable()
 
 
 @dataclasses.dataclass
