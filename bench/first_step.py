@@ -1,6 +1,7 @@
-"""Seconds from launching `python train.py` to the end of its first optimizer step, with a warm
-data cache, for this checkout and another one (say an older commit: `git worktree add /tmp/old
-<commit>`), run alternately so that both see the same machine.
+"""Seconds from launching `python train.py` to the end of its first optimizer step, and to the
+end of the whole process, with a warm data cache, for this checkout and another one (say an
+older commit: `git worktree add /tmp/old <commit>`), run alternately so that both see the same
+machine.
 
     python bench/first_step.py --other /tmp/old [--repeats 5] [-- overrides...]
 
@@ -9,8 +10,10 @@ dependencies: `python -m venv /tmp/ov && /tmp/ov/bin/pip install -e /tmp/old`); 
 to this one.
 
 Each run is the default config (W&B offline, the default model and data) stopped after a few
-steps; the figure is the run's own `seconds_to_first_step` (summary.json, counted from process
-start). Both checkouts share one data cache, warmed by a run of each first.
+steps: its own `seconds_to_first_step` (summary.json, counted from process start), and the wall
+time of the whole process, which adds the few steps, the attention maps of the last one, the
+end-of-run printout and the exit. Both checkouts share one data cache, warmed by a run of each
+first.
 """
 
 import argparse
@@ -19,13 +22,17 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from runs import compare_checkouts
 
 
-def first_step_seconds(python: str, root: Path, overrides: list[str], cache: str) -> float:
+def start_and_end_seconds(
+    python: str, root: Path, overrides: list[str], cache: str
+) -> dict[str, float]:
     run_dir = Path(tempfile.mkdtemp(prefix="first_step-"))
+    started = time.perf_counter()
     subprocess.run(
         [python, str(root / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
         cwd=root,
@@ -33,7 +40,9 @@ def first_step_seconds(python: str, root: Path, overrides: list[str], cache: str
         capture_output=True,
         check=True,
     )
-    return json.loads((run_dir / "summary.json").read_text())["seconds_to_first_step"]
+    whole = time.perf_counter() - started
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"first step": summary["seconds_to_first_step"], "whole process": whole}
 
 
 def main() -> None:
@@ -49,9 +58,9 @@ def main() -> None:
     this = Path(__file__).resolve().parents[1]
     pythons = {args.other.resolve(): args.other_python, this: args.python}
     for root, python in pythons.items():  # warm the data cache and each side's compile caches
-        first_step_seconds(python, root, overrides, cache)
+        start_and_end_seconds(python, root, overrides, cache)
     compare_checkouts(
-        lambda root: first_step_seconds(pythons[root.resolve()], root, overrides, cache),
+        lambda root: start_and_end_seconds(pythons[root.resolve()], root, overrides, cache),
         args.other,
         args.repeats,
     )

@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,18 +40,26 @@ def median_after(rows: list[dict], key: str, skip: int) -> float:
     return statistics.median(values)
 
 
-def compare_checkouts(measure, other: Path, repeats: int, unit: str = "s") -> None:
+def compare_checkouts(
+    measure: Callable[[Path], float | dict[str, float]], other: Path, repeats: int, unit: str = "s"
+) -> None:
     """Run `measure(root)` for another checkout and this one, alternately, `repeats` times
-    each, and print each side's median (min, max) and the ratio this / other."""
+    each, and print each side's median (min, max) and the ratio this / other. `measure` returns
+    one figure, or several by name ({"first step": ..., "whole process": ...})."""
     roots = {"other": other.resolve(), "this": ROOT}
-    values: dict[str, list[float]] = {name: [] for name in roots}
+    values: dict[str, list[dict[str, float]]] = {name: [] for name in roots}
     for _ in range(repeats):
         for name, root in roots.items():
-            values[name].append(measure(root))
-    for name, series in values.items():
-        print(
-            f"{name:5s} ({roots[name]}): median {statistics.median(series):.2f} {unit} "
-            f"(min {min(series):.2f}, max {max(series):.2f}, {repeats} runs)"
-        )
-    ratio = statistics.median(values["this"]) / statistics.median(values["other"])
-    print(f"this / other: {ratio:.2f}")
+            figures = measure(root)
+            values[name].append(figures if isinstance(figures, dict) else {"": figures})
+    for figure in values["this"][0]:
+        label = f"{figure}, " if figure else ""
+        medians = {}
+        for name, rows in values.items():
+            series = [row[figure] for row in rows]
+            medians[name] = statistics.median(series)
+            print(
+                f"{label}{name:5s} ({roots[name]}): median {medians[name]:.2f} {unit} "
+                f"(min {min(series):.2f}, max {max(series):.2f}, {repeats} runs)"
+            )
+        print(f"{label}this / other: {medians['this'] / medians['other']:.2f}")
