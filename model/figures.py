@@ -1,6 +1,6 @@
 """Attention maps as figures: numpy and matplotlib only, no torch, so that the process that draws
-a training run's maps (training/map_drawing.py) starts in a second, not in the four that
-importing torch takes on a small CPU. model/inspect.py records the maps these draw."""
+a training run's maps (training/map_drawing.py) never waits for torch's import (3 s on a 2-core
+CPU). model/inspect.py records the maps these draw."""
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

@@ -3,9 +3,9 @@
 Drawing a layer's heads takes 0.1-1 s of Python, which on the training thread stalls every
 step behind it (88 s of a 302 s GPU run). The training process records the maps on its device
 and sends them here as numpy arrays; `python -m training.map_drawing` (a plain process, not a
-fork of the trainer: it imports numpy and matplotlib only, no torch, so that it is ready within
-about a second) draws each into a PNG file at low priority and answers with the path, which the
-callback then logs.
+fork of the trainer: it imports numpy and matplotlib only, no torch, whose import the last maps
+of a run would otherwise wait for) draws each into a PNG file at low priority and answers with
+the path, which the callback then logs.
 """
 
 import os
