@@ -1,0 +1,67 @@
+"""The matrix-vector products of a cached decoding step, one token at batch 1, on this machine's
+CPU: `nn.Linear`'s layout (weight stored (out, in), as F.linear reads it) against the same
+weights stored (in, out), and a plain read of them (a sum) as the memory's speed:
+
+    python bench/matvec_layout.py [--width 384] [--layers 6] [--repeats 15]
+
+The weights are those of a GPT of that width and depth (4 matrices a layer: q/k/v, out, MLP in
+and out), 42 MB for nanoGPT's 6 x 384, more than the caches hold, as in decoding. The sides
+alternate round by round; each prints its median milliseconds for all the products (min-max) and
+the GB/s that makes, then the median of the per-round ratios.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def seconds(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    width = args.width
+    shapes = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)]
+    weights = [torch.randn(shape) for shape in shapes * args.layers]  # (out, in)
+    input_major = [weight.T.contiguous() for weight in weights]  # (in, out)
+    rows = {weight.size(1): torch.randn(1, weight.size(1)) for weight in weights}
+    sides = {
+        "F.linear, (out, in)": lambda: [F.linear(rows[w.size(1)], w) for w in weights],
+        "x @ w, (in, out)": lambda: [rows[w.size(0)] @ w for w in input_major],
+        "sum, the memory's speed": lambda: [w.sum() for w in weights],
+    }
+    for work in sides.values():
+        work()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for round_ in range(args.repeats):
+        order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
+        for name in order:
+            times[name].append(seconds(sides[name]))
+    gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
+    print(f"{len(weights)} matrices, {gigabytes * 1e3:.0f} MB, {torch.get_num_threads()} threads")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(
+            f"{name:>24}: {median * 1e3:6.2f} ms ({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})"
+            f", {gigabytes / median:5.1f} GB/s"
+        )
+    first, second = list(times.values())[:2]
+    ratios = [a / b for a, b in zip(first, second, strict=True)]
+    print(
+        f"(out, in) / (in, out): {statistics.median(ratios):.2f} "
+        f"({min(ratios):.2f}-{max(ratios):.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
