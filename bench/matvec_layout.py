@@ -12,16 +12,10 @@ the GB/s that makes, then the median of the per-round ratios.
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
-
-
-def seconds(work) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
+from runs import alternating_seconds
 
 
 def main() -> None:
@@ -40,13 +34,7 @@ def main() -> None:
         "x @ w, (in, out)": lambda: [rows[w.size(0)] @ w for w in input_major],
         "sum, the memory's speed": lambda: [w.sum() for w in weights],
     }
-    for work in sides.values():
-        work()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for round_ in range(args.repeats):
-        order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
-        for name in order:
-            times[name].append(seconds(sides[name]))
+    times = alternating_seconds(sides, args.repeats)
     gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
     print(f"{len(weights)} matrices, {gigabytes * 1e3:.0f} MB, {torch.get_num_threads()} threads")
     for name, values in times.items():

@@ -10,23 +10,16 @@ ratios bf16 / fp32; on a CPU without bf16 units (training/precision.py) bf16 is 
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from runs import alternating_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.gpt import GPT, GPTConfig  # noqa: E402
 from training.optimizers import Muon  # noqa: E402
 from training.precision import cpu_capabilities, multiplies_bf16  # noqa: E402
-
-
-def step_seconds(optimizer: Muon, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        optimizer.step()
-    return (time.perf_counter() - start) / steps
 
 
 def main() -> None:
@@ -44,13 +37,9 @@ def main() -> None:
         dtype: Muon([decayed], lr=1e-3, adjust_lr_fn="match_rms_adamw", ns_dtype=dtype)
         for dtype in (torch.bfloat16, torch.float32)
     }
-    for optimizer in optimizers.values():
-        step_seconds(optimizer, 1)  # warm-up
-    times = {dtype: [] for dtype in optimizers}
-    for round_ in range(args.repeats):
-        order = list(optimizers) if round_ % 2 == 0 else list(reversed(optimizers))
-        for dtype in order:
-            times[dtype].append(step_seconds(optimizers[dtype], args.steps) * 1e3)
+    steps = {dtype: optimizer.step for dtype, optimizer in optimizers.items()}
+    seconds = alternating_seconds(steps, args.repeats, calls=args.steps)
+    times = {dtype: [s * 1e3 for s in values] for dtype, values in seconds.items()}
     cpu = cpu_capabilities().get("cpu_name", "")
     shapes = sorted({tuple(w.shape) for w in decayed["params"]})
     print(f"{cpu}, {torch.get_num_threads()} threads, bf16 units: {multiplies_bf16('cpu')}")

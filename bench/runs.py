@@ -1,5 +1,6 @@
-"""Run train.py as a user would and read back what it logged (logger=csv): shared by the
-benchmark scripts, which compare runs side by side in one invocation."""
+"""Run train.py as a user would and read back what it logged (logger=csv), and time two or
+more sides alternately: shared by the benchmark scripts, which compare side by side in one
+invocation."""
 
 import csv
 import os
@@ -9,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +40,23 @@ def median_after(rows: list[dict], key: str, skip: int) -> float:
     """Median of `key` over rows past the first `skip` logged values (warm-up)."""
     values = [row[key] for row in rows if key in row][skip:]
     return statistics.median(values)
+
+
+def alternating_seconds(sides: dict, repeats: int, calls: int = 1) -> dict[object, list[float]]:
+    """Seconds a call of each side (a function of no arguments) takes, averaged over `calls`
+    calls, in `repeats` rounds after one warm-up call of each; every other round runs the sides
+    in reverse order, so that none always runs first."""
+    for work in sides.values():
+        work()
+    times: dict[Any, list[float]] = {side: [] for side in sides}
+    for round_ in range(repeats):
+        order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
+        for side in order:
+            start = time.perf_counter()
+            for _ in range(calls):
+                sides[side]()
+            times[side].append((time.perf_counter() - start) / calls)
+    return times
 
 
 def compare_checkouts(
