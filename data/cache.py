@@ -266,8 +266,9 @@ class CachedDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, train: bool, collate_fn=None) -> DataLoader:
         """Batches of `dataset`. Training batches follow ResumableShuffle, which a resumed run
-        starts at its step; evaluation batches are in order. In a distributed run each rank gets
-        its own share (the trainer configs turn Lightning's own DistributedSampler off)."""
+        starts at its step; evaluation batches follow RankShard's fixed order. In a distributed
+        run each rank gets its own share (the trainer configs turn Lightning's own
+        DistributedSampler off)."""
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         workers, batch_size = self.config.num_workers, self.config.batch_size

@@ -1,10 +1,15 @@
 """The order in which a training run visits examples, as a pure function of (seed, step), so a
-resumed run continues with exactly the batches the interrupted one would have trained on."""
+resumed run continues with exactly the batches the interrupted one would have trained on; and
+the fixed order in which evaluation scores them."""
 
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+
+# Evaluation's order does not depend on the run's seed: runs with different seeds, cut short
+# alike, score the same examples.
+EVALUATION_SEED = 0
 
 
 class ResumableShuffle(Sampler[int]):
@@ -55,11 +60,18 @@ class ResumableShuffle(Sampler[int]):
 
 
 class RankShard(Sampler[int]):
-    """Every world_size-th example in order, for evaluation: ranks score disjoint examples and,
-    unlike DistributedSampler, none is repeated to even out the shards."""
+    """Evaluation order: every example once, in one fixed shuffled order (the same in every run),
+    each rank taking every world_size-th; ranks score disjoint examples and, unlike
+    DistributedSampler, none is repeated to even out the shards.
+
+    Shuffled, because an evaluation cut short (trainer.limit_val_batches) scores the first
+    batches only: in the text's order those would be its beginning (the first plays, the first
+    documents), a biased estimate of the whole; shuffled, they are a sample of all of it.
+    """
 
     def __init__(self, size: int, rank: int = 0, world_size: int = 1) -> None:
-        self.indices = range(rank, size, world_size)
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(EVALUATION_SEED))
+        self.indices = order[rank::world_size].tolist()
 
     def __len__(self) -> int:
         return len(self.indices)

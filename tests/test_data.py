@@ -198,14 +198,26 @@ def test_train_batches(dm):
     assert y[-1] == train[-1] and x[0] == train[-BLOCK - 1]
 
 
-def test_val_batches_are_non_overlapping(dm):
+def test_val_batches_score_every_non_overlapping_block_once(dm):
     loader = dm.val_dataloader()
     val = torch.from_numpy(np.asarray(dm._split("val")).astype(np.int64))
-    assert len(loader.dataset) == (len(val) - 1) // BLOCK
+    n_blocks = (len(val) - 1) // BLOCK
+    blocks = val[: n_blocks * BLOCK + 1].unfold(0, BLOCK + 1, BLOCK)  # (n_blocks, BLOCK + 1)
+    order = list(loader.sampler)
+    assert sorted(order) == list(range(n_blocks))
     x, y = next(iter(loader))
     assert x.shape == (BATCH, BLOCK)
-    assert torch.equal(x.flatten(), val[: BATCH * BLOCK])
-    assert torch.equal(y.flatten(), val[1 : BATCH * BLOCK + 1])
+    assert torch.equal(x, blocks[order[:BATCH], :-1])
+    assert torch.equal(y, blocks[order[:BATCH], 1:])
+
+
+def test_a_validation_cut_short_samples_the_whole_text(dm):
+    """limit_val_batches scores the first batches: they must come from all over the text, not
+    from its beginning, and be the same ones in every run."""
+    order = list(dm.val_dataloader().sampler)
+    first_quarter = order[: len(order) // 4]
+    assert {4 * i // len(order) for i in first_quarter} == {0, 1, 2, 3}  # every quarter
+    assert order == list(dm.val_dataloader().sampler)
 
 
 def test_val_sample_is_fixed_and_starts_a_speech(dm, cache_dir):

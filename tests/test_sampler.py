@@ -45,6 +45,8 @@ def test_ranks_split_each_epoch_without_overlap(world_size):
 def test_evaluation_shards_cover_every_example_once():
     shards = [list(RankShard(10, rank, 3)) for rank in range(3)]
     assert sorted(sum(shards, [])) == list(range(10))
+    assert shards == [list(RankShard(10, rank, 3)) for rank in range(3)]  # a fixed order
+    assert sum(shards, []) != list(range(10))  # shuffled: see test_data.py
 
 
 def test_no_full_batch_is_a_clear_error():

@@ -170,10 +170,13 @@ def test_train_batches(which, char_dm, span_dm):
     assert real[:, 0].all() and (real.long().diff(dim=1) <= 0).all()  # real tokens come first
 
 
-def test_val_loader_is_in_order(char_dm):
-    batch = next(iter(char_dm.val_dataloader()))
-    pairs = char_dm.val_pairs(BATCH)
-    for row, (source, target) in enumerate(pairs):
+def test_val_loader_batches_the_val_pairs(char_dm):
+    loader = char_dm.val_dataloader()
+    order = list(loader.sampler)  # every pair once, in evaluation's fixed order
+    assert sorted(order) == list(range(len(char_dm._split("val")[0])))
+    batch = next(iter(loader))
+    pairs = char_dm.val_pairs(len(order))
+    for row, (source, target) in enumerate(pairs[i] for i in order[:BATCH]):
         assert batch["source"][row, : len(source)].tolist() == source
         assert batch["target_in"][row, 1 : len(target) + 1].tolist() == target
     assert char_dm.val_pairs(10**9) == char_dm.val_pairs(len(char_dm._split("val")[0]))
