@@ -4,7 +4,7 @@ ours, ...) so that both sides see the same machine.
 
     python bench/vs_nanogpt.py --nanogpt ../shared/anchors/nanoGPT [--recipe cpu|gpu]
         [--device cpu|cuda] [--pairs 3] [--steps N] [--ours 'compile=true ...']
-        [--own 'experiment=cpu_fast']
+        [--own 'experiment=cpu_fast'] [--target-loss 1.65]
 
 --ours adds overrides to our side of nanoGPT's recipe; --own runs our own recipe instead (only
 the data is nanoGPT's), against nanoGPT's recipe: which reaches the lower loss in what time.
@@ -17,6 +17,10 @@ whole-process wall seconds, steady tokens/s (median of the logged steps), second
 to the end of the first optimizer step, each side's own best validation figure, and the loss of
 its best checkpoint on the whole validation text, computed the same way for both (every
 non-overlapping block). Then medians over the pairs and the ratios ours / nanoGPT.
+
+--target-loss L adds the seconds from launch to the end of each side's first validation at or
+below L, on its own estimate ("never" if none is), and our time to L against nanoGPT's whole
+wall: "reaches L within nanoGPT's wall time".
 """
 
 import argparse
@@ -134,25 +138,28 @@ def our_command(
     ]
 
 
-def timed(command: list[str], cwd: Path, first_step: re.Pattern | None = None) -> tuple:
-    """(wall seconds, seconds until a stdout line matches `first_step`, stdout) of a command."""
+def timed(command: list[str], cwd: Path) -> tuple[float, list[tuple[float, str]]]:
+    """(wall seconds, [(seconds since launch, line) of each stdout line]) of a command."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as stderr:  # a file: a full stderr pipe would block
         process = subprocess.Popen(
             command, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True
         )
-        lines, first = [], None
-        for line in process.stdout:
-            lines.append(line)
-            if first is None and first_step is not None and first_step.match(line):
-                first = time.perf_counter() - start
+        lines = [(time.perf_counter() - start, line) for line in process.stdout]
         process.wait()
         wall = time.perf_counter() - start
         if process.returncode != 0:
             stderr.seek(0)
             failure = stderr.read()[-3000:]
             raise SystemExit(f"{' '.join(command)} failed ({process.returncode}):\n{failure}")
-    return wall, first, "".join(lines)
+    return wall, lines
+
+
+def seconds_to_target(validations: list[tuple[float, float]], target: float | None) -> float | None:
+    """Seconds from launch to the first validation (seconds, loss) at or below `target`."""
+    if target is None:
+        return None
+    return next((seconds for seconds, loss in validations if loss <= target), None)
 
 
 NANOGPT_ITER = re.compile(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms")
@@ -160,19 +167,29 @@ NANOGPT_EVAL = re.compile(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)")
 
 
 def run_nanogpt(
-    copy: Path, recipe: dict, steps: int, out_dir: Path, seed: int = 1337, score: bool = True
+    copy: Path,
+    recipe: dict,
+    steps: int,
+    out_dir: Path,
+    seed: int = 1337,
+    score: bool = True,
+    target: float | None = None,
 ) -> dict:
-    wall, first, stdout = timed(
-        nanogpt_command(recipe, steps, out_dir, seed), copy, re.compile(r"iter 0: ")
-    )
+    wall, lines = timed(nanogpt_command(recipe, steps, out_dir, seed), copy)
+    stdout = "".join(line for _, line in lines)
     milliseconds = [float(ms) for step, ms in NANOGPT_ITER.findall(stdout) if int(step) >= 10]
-    evals = [float(val) for step, val in NANOGPT_EVAL.findall(stdout) if int(step) > 0]
+    validations = [  # its own estimate, printed as soon as it is computed
+        (seconds, float(match[2]))
+        for seconds, line in lines
+        if (match := NANOGPT_EVAL.match(line)) and int(match[1]) > 0
+    ]
     tokens = recipe["shape"]["batch_size"] * recipe["shape"]["block_size"]
     return {
         "wall": wall,
         "tokens_per_sec": tokens / (statistics.median(milliseconds) / 1000),
-        "first_step": first,
-        "best_val": min(evals, default=None),
+        "first_step": next(seconds for seconds, line in lines if line.startswith("iter 0: ")),
+        "to_target": seconds_to_target(validations, target),
+        "best_val": min((loss for _, loss in validations), default=None),
         "full_val": nanogpt_full_val_loss(copy, out_dir / "ckpt.pt") if score else None,
     }
 
@@ -236,13 +253,20 @@ def run_ours(
     extra: list[str],
     own: bool,
     score: bool = True,
+    target: float | None = None,
 ) -> dict:
-    wall, _, _ = timed(our_command(recipe, steps, text, run_dir, extra, own), ROOT)
+    wall, _ = timed(our_command(recipe, steps, text, run_dir, extra, own), ROOT)
     summary = json.loads((run_dir / "summary.json").read_text())
+    validations = [  # the end of each validation, from launch
+        (summary["seconds_to_fit_start"] + row["time"], row["val/loss"])
+        for row in summary["history"]
+        if "val/loss" in row
+    ]
     return {
         "wall": wall,
         "tokens_per_sec": summary["train/tokens_per_sec"],
         "first_step": summary["seconds_to_first_step"],
+        "to_target": seconds_to_target(validations, target),
         "best_val": summary["best_val_loss"],
         "full_val": our_full_val_loss(run_dir, (text / "val.txt").read_text()) if score else None,
     }
@@ -258,11 +282,28 @@ def prepare_nanogpt(nanogpt: Path, text: Path, scratch: Path) -> Path:
     return copy
 
 
-COLUMNS = ("wall", "tokens_per_sec", "first_step", "best_val", "full_val")
+COLUMNS = ("wall", "tokens_per_sec", "first_step", "to_target", "best_val", "full_val")
+
+
+def cell(value: float | None) -> str:
+    return "never" if value is None else f"{value:.4g}"  # "never": the target was not reached
 
 
 def show(label: str, row: dict) -> None:
-    print(f"{label:<16}" + "".join(f"{row[key]:>16.4g}" for key in COLUMNS), flush=True)
+    print(f"{label:<16}" + "".join(f"{cell(row[key]):>16}" for key in COLUMNS), flush=True)
+
+
+def median_and_spread(values: list[float | None]) -> str:
+    """The values' median (min-max), or how many of them are None (a target never reached)."""
+    if None in values:
+        return f"{sum(v is None for v in values)} of {len(values)} never"
+    return f"{statistics.median(values):.4g} ({min(values):.4g}-{max(values):.4g})"
+
+
+def print_ratios(label: str, ours: list[float | None], theirs: list[float | None]) -> None:
+    ratios = [o / t if None not in (o, t) else None for o, t in zip(ours, theirs, strict=True)]
+    shown = " ".join(cell(r) for r in ratios)
+    print(f"{label}: {shown} -> {median_and_spread(ratios)}")
 
 
 def main() -> None:
@@ -275,6 +316,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="default: the recipe's")
     parser.add_argument("--ours", default="", help="more overrides for our runs")
     parser.add_argument("--own", help="our own recipe's overrides, instead of nanoGPT's recipe")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        help="also time each side from launch to its first validation at or below this loss",
+    )
     args = parser.parse_args()
     recipe = dict(RECIPES[args.recipe])
     if args.device == "cpu" and args.recipe == "gpu":
@@ -301,31 +347,34 @@ def main() -> None:
     run_ours(recipe, 20, text, scratch / "warm-ours", extra, own, score=False)
     print(f"\n{'run':<16}" + "".join(f"{key:>16}" for key in COLUMNS))
     results: dict[str, list[dict]] = {"nanogpt": [], "ours": []}
+    target = args.target_loss
     for pair in range(args.pairs):
         # Each pair runs its own seed, on both sides: one seed moves the loss by about 0.01.
         seed = 1337 + pair
         nanogpt_dir = scratch / f"nanogpt-{pair}"
-        results["nanogpt"].append(run_nanogpt(copy, recipe, steps, nanogpt_dir, seed))
+        results["nanogpt"].append(
+            run_nanogpt(copy, recipe, steps, nanogpt_dir, seed, target=target)
+        )
         show(f"nanogpt {pair}", results["nanogpt"][-1])
         run_dir = scratch / f"ours-{pair}"
         seeded = [*extra, f"seed={seed}"]
-        results["ours"].append(run_ours(recipe, steps, text, run_dir, seeded, own))
+        results["ours"].append(run_ours(recipe, steps, text, run_dir, seeded, own, target=target))
         show(f"ours {pair}", results["ours"][-1])
 
     print("\nmedians (min-max)")
     for side, rows in results.items():
-        cells = []
-        for key in COLUMNS:
-            values = [row[key] for row in rows]
-            spread = f"{min(values):.4g}-{max(values):.4g}"
-            cells.append(f"{key} {statistics.median(values):.4g} ({spread})")
+        cells = [f"{key} {median_and_spread([row[key] for row in rows])}" for key in COLUMNS]
         print(f"{side}: " + ", ".join(cells))
     print("\nours / nanogpt, per pair and median (min-max):")
-    for key in ("wall", "tokens_per_sec", "first_step"):
-        ratios = [o[key] / n[key] for o, n in zip(results["ours"], results["nanogpt"], strict=True)]
-        shown = " ".join(f"{r:.3f}" for r in ratios)
-        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
-        print(f"{key}: {shown} -> {statistics.median(ratios):.3f} ({spread})")
+    ours, theirs = results["ours"], results["nanogpt"]
+    for key in ("wall", "tokens_per_sec", "first_step") + (("to_target",) if target else ()):
+        print_ratios(key, [row[key] for row in ours], [row[key] for row in theirs])
+    if target:
+        print_ratios(
+            f"our time to {target} / nanoGPT's whole wall",
+            [row["to_target"] for row in ours],
+            [row["wall"] for row in theirs],
+        )
     (scratch / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\nall figures: {scratch / 'results.json'}")
 

@@ -51,6 +51,12 @@ class RunHistory(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._fit_start = time.perf_counter()
 
+    @property
+    def fit_start_seconds(self) -> float:
+        """Seconds from the process's start (as for first_step_seconds) to the start of fitting:
+        a row's "time" plus this is its time since launch, in a run that resumes none."""
+        return self._fit_start - self._run_start
+
     def elapsed(self) -> float:
         return self._earlier_seconds + time.perf_counter() - self._fit_start
 

@@ -82,6 +82,7 @@ def run_summary(trainer: L.Trainer | None, started: float, status: str, error: s
             summary[key] = history.last(key)
         summary["train/tokens_per_sec"] = history.median("train/tokens_per_sec")
         summary["seconds_to_first_step"] = history.first_step_seconds
+        summary["seconds_to_fit_start"] = history.fit_start_seconds
         summary["history"] = history.rows
     maps = next((c for c in trainer.callbacks if isinstance(c, AttentionMapLogger)), None)
     if maps is not None:
