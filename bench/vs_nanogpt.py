@@ -289,8 +289,8 @@ def cell(value: float | None) -> str:
     return "never" if value is None else f"{value:.4g}"  # "never": the target was not reached
 
 
-def show(label: str, row: dict) -> None:
-    print(f"{label:<16}" + "".join(f"{cell(row[key]):>16}" for key in COLUMNS), flush=True)
+def show(label: str, row: dict, columns: list[str]) -> None:
+    print(f"{label:<16}" + "".join(f"{cell(row[key]):>16}" for key in columns), flush=True)
 
 
 def median_and_spread(values: list[float | None]) -> str:
@@ -345,9 +345,10 @@ def main() -> None:
     # are then warm for both sides, as for a user's second run.
     run_nanogpt(copy, recipe, 20, scratch / "warm-nanogpt", score=False)
     run_ours(recipe, 20, text, scratch / "warm-ours", extra, own, score=False)
-    print(f"\n{'run':<16}" + "".join(f"{key:>16}" for key in COLUMNS))
-    results: dict[str, list[dict]] = {"nanogpt": [], "ours": []}
     target = args.target_loss
+    columns = [key for key in COLUMNS if target is not None or key != "to_target"]
+    print(f"\n{'run':<16}" + "".join(f"{key:>16}" for key in columns))
+    results: dict[str, list[dict]] = {"nanogpt": [], "ours": []}
     for pair in range(args.pairs):
         # Each pair runs its own seed, on both sides: one seed moves the loss by about 0.01.
         seed = 1337 + pair
@@ -355,21 +356,21 @@ def main() -> None:
         results["nanogpt"].append(
             run_nanogpt(copy, recipe, steps, nanogpt_dir, seed, target=target)
         )
-        show(f"nanogpt {pair}", results["nanogpt"][-1])
+        show(f"nanogpt {pair}", results["nanogpt"][-1], columns)
         run_dir = scratch / f"ours-{pair}"
         seeded = [*extra, f"seed={seed}"]
         results["ours"].append(run_ours(recipe, steps, text, run_dir, seeded, own, target=target))
-        show(f"ours {pair}", results["ours"][-1])
+        show(f"ours {pair}", results["ours"][-1], columns)
 
     print("\nmedians (min-max)")
     for side, rows in results.items():
-        cells = [f"{key} {median_and_spread([row[key] for row in rows])}" for key in COLUMNS]
+        cells = [f"{key} {median_and_spread([row[key] for row in rows])}" for key in columns]
         print(f"{side}: " + ", ".join(cells))
     print("\nours / nanogpt, per pair and median (min-max):")
     ours, theirs = results["ours"], results["nanogpt"]
-    for key in ("wall", "tokens_per_sec", "first_step") + (("to_target",) if target else ()):
+    for key in [key for key in columns if key not in ("best_val", "full_val")]:  # the timings
         print_ratios(key, [row[key] for row in ours], [row[key] for row in theirs])
-    if target:
+    if target is not None:
         print_ratios(
             f"our time to {target} / nanoGPT's whole wall",
             [row["to_target"] for row in ours],
