@@ -1,6 +1,8 @@
-"""train.py's start: importing it runs no full collection over the heap the imports build, and
-leaves collection on with that heap frozen out of later ones (and out of the one at exit)."""
+"""A run's start: importing train.py runs no full collection over the heap the imports build, and
+leaves collection on with that heap frozen out of later ones (and out of the one at exit); and
+starting W&B does not import W&B Launch unless Launch inputs may have been staged."""
 
+import os
 import subprocess
 import sys
 
@@ -26,3 +28,44 @@ def test_importing_train_collects_nothing_and_freezes_what_it_imported():
     assert enabled == "True"  # a run's own garbage is still collected
     assert int(frozen) > 100_000  # torch, Lightning and Hydra's objects
     assert full_collections == "0"
+
+
+# An offline W&B run started as our logger starts one; with STAGE, Launch inputs staged first
+# through W&B's public API, with a spy that counts the inputs W&B publishes to the run.
+WANDB_PROBE = """
+import sys
+import wandb
+from training.wandb_run import skip_launch_inputs_never_staged
+published = []
+if sys.argv[2] == "stage":
+    from wandb.sdk.launch import manage_wandb_config
+    import wandb.sdk.launch.inputs.internal as internal
+    publish = internal._publish_job_input
+    internal._publish_job_input = lambda *args: (published.append(1), publish(*args))
+    manage_wandb_config(include=["lr"])
+skip_launch_inputs_never_staged()
+run = wandb.init(mode="offline", dir=sys.argv[1], config={"lr": 0.1}, settings={"quiet": True})
+run.finish()
+print("wandb.sdk.launch" in sys.modules, len(published))
+"""
+
+
+def start_wandb(tmp_path, stage: str) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, "-c", WANDB_PROBE, str(tmp_path), stage],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split()
+
+
+def test_a_wandb_run_starts_without_importing_wandb_launch(tmp_path):
+    assert start_wandb(tmp_path, "none") == ["False", "0"]
+
+
+def test_staged_launch_inputs_still_reach_the_run(tmp_path):
+    assert start_wandb(tmp_path, "stage") == ["True", "1"]

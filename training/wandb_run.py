@@ -1,6 +1,7 @@
 """The W&B side of a run: the logger (Lightning's, quieter, with best-value summaries) and the
 run's name and group, which say what was trained without opening the run."""
 
+import sys
 from pathlib import Path
 
 import yaml
@@ -24,10 +25,35 @@ BEST = {
 }
 
 
+# Where W&B Launch keeps the job inputs that code in this process staged for the next run.
+STAGED_LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
+
+
+def skip_launch_inputs_never_staged() -> None:
+    """wandb.init ends by applying the W&B Launch job inputs staged in this process, and imports
+    W&B Launch and W&B's public API to look for them: about 1 s of a run's start on a 2-core CPU.
+    Inputs can only have been staged by code that imported the module that stages them, so
+    while it is not loaded there are none, and the look (with its imports) is skipped. A W&B
+    without that step (it is private) is left as it is."""
+    from wandb.sdk.wandb_run import Run
+
+    apply_staged = getattr(Run, "_detect_and_apply_job_inputs", None)
+    if apply_staged is None or getattr(apply_staged, "skips_unstaged", False):
+        return
+
+    def apply_if_any_staged(run: Run) -> None:
+        if STAGED_LAUNCH_INPUTS in sys.modules:
+            apply_staged(run)
+
+    apply_if_any_staged.skips_unstaged = True
+    Run._detect_and_apply_job_inputs = apply_if_any_staged
+
+
 class WandbLogger(LightningWandbLogger):
     """Lightning's W&B logger, with summaries of the best values (BEST), W&B's quiet console
-    output (where the run is saved, not its banner and closing tables), and without the
-    `anonymous` argument, which W&B warns has no effect."""
+    output (where the run is saved, not its banner and closing tables), without the
+    `anonymous` argument, which W&B warns has no effect, and without W&B's second of looking
+    for Launch inputs that were never staged (skip_launch_inputs_never_staged)."""
 
     def __init__(self, **kwargs) -> None:
         kwargs.setdefault("settings", {"quiet": True})
@@ -37,6 +63,8 @@ class WandbLogger(LightningWandbLogger):
     @property
     def experiment(self):  # the parent's: the run on rank zero, a stand-in on the others
         first = self._experiment is None
+        if first:
+            skip_launch_inputs_never_staged()
         run = super().experiment
         if first and rank_zero_only.rank == 0:
             for key, summary in BEST.items():
