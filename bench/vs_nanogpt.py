@@ -142,8 +142,10 @@ def timed(command: list[str], cwd: Path) -> tuple[float, list[tuple[float, str]]
     """(wall seconds, [(seconds since launch, line) of each stdout line]) of a command."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as stderr:  # a file: a full stderr pipe would block
+        # Unbuffered: each line is timed when it is printed, not when a block of output fills.
+        unbuffered = {**os.environ, "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(
-            command, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True
+            command, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=unbuffered
         )
         lines = [(time.perf_counter() - start, line) for line in process.stdout]
         process.wait()
@@ -187,7 +189,9 @@ def run_nanogpt(
     return {
         "wall": wall,
         "tokens_per_sec": tokens / (statistics.median(milliseconds) / 1000),
-        "first_step": next(seconds for seconds, line in lines if line.startswith("iter 0: ")),
+        "first_step": next(
+            (seconds for seconds, line in lines if line.startswith("iter 0: ")), None
+        ),
         "to_target": seconds_to_target(validations, target),
         "best_val": min((loss for _, loss in validations), default=None),
         "full_val": nanogpt_full_val_loss(copy, out_dir / "ckpt.pt") if score else None,

@@ -12,6 +12,12 @@ from torch.utils.data import DataLoader, Sampler
 EVALUATION_SEED = 0
 
 
+def evaluation_order(size: int) -> list[int]:
+    """The one fixed shuffled order in which evaluation visits `size` examples (see RankShard):
+    any first part of it is a sample of all of them."""
+    return torch.randperm(size, generator=torch.Generator().manual_seed(EVALUATION_SEED)).tolist()
+
+
 class ResumableShuffle(Sampler[int]):
     """A fresh permutation of the dataset every epoch, drawn from (seed, epoch), split among the
     ranks of a distributed run, and started at any batch.
@@ -70,8 +76,7 @@ class RankShard(Sampler[int]):
     """
 
     def __init__(self, size: int, rank: int = 0, world_size: int = 1) -> None:
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(EVALUATION_SEED))
-        self.indices = order[rank::world_size].tolist()
+        self.indices = evaluation_order(size)[rank::world_size]
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from data.cache import CachedDataModule, entry_path, write_marker
 from data.metrics import character_error_rate
 from data.pairs import FILE_FORMATS, MASK, Ragged
+from data.sampler import evaluation_order
 from data.seq2seq_text import (
     TASK_BUILDERS,
     PairDataset,
@@ -129,13 +130,16 @@ class Seq2SeqDataModule(CachedDataModule):
         return self._pair_loader("val", train=False)
 
     def val_pairs(self, n: int) -> list[tuple[list[int], list[int]]]:
-        """The first n (or all, if fewer) validation pairs as (source ids, target ids): a fixed
-        sample for attention maps and exact-match decoding. Sources are what the encoder reads
-        (<mask> tokens included); targets carry no <bos>/<eos>."""
+        """The first n (or all, if fewer) validation pairs in evaluation's fixed order (the
+        validation loader's), as (source ids, target ids): a fixed sample of the whole split for
+        attention maps and exact-match decoding. Sources are what the encoder reads (<mask>
+        tokens included); targets carry no <bos>/<eos>."""
         if not is_int(n, 1):
             raise ValueError(f"val_pairs needs a positive number of pairs, got {n!r}")
         sources, targets = self._split("val")
-        return [(sources[i].tolist(), targets[i].tolist()) for i in range(min(n, len(sources)))]
+        return [
+            (sources[i].tolist(), targets[i].tolist()) for i in evaluation_order(len(sources))[:n]
+        ]
 
     def val_texts(self, n: int) -> list[tuple[str, str]]:
         """`val_pairs(n)` decoded; sources show <mask> tokens by name."""

@@ -217,6 +217,7 @@ def test_a_validation_cut_short_samples_the_whole_text(dm):
     order = list(dm.val_dataloader().sampler)
     first_quarter = order[: len(order) // 4]
     assert {4 * i // len(order) for i in first_quarter} == {0, 1, 2, 3}  # every quarter
+    torch.manual_seed(123)  # another run's seed
     assert order == list(dm.val_dataloader().sampler)
 
 

@@ -170,13 +170,16 @@ def test_train_batches(which, char_dm, span_dm):
     assert real[:, 0].all() and (real.long().diff(dim=1) <= 0).all()  # real tokens come first
 
 
-def test_val_loader_batches_the_val_pairs(char_dm):
+def test_val_loader_and_val_pairs_sample_the_whole_split_alike(char_dm):
+    """The loader's first batch is val_pairs' first pairs (loss and decodes score the same
+    pairs) and those come from all over the split, not from its beginning."""
     loader = char_dm.val_dataloader()
     order = list(loader.sampler)  # every pair once, in evaluation's fixed order
     assert sorted(order) == list(range(len(char_dm._split("val")[0])))
+    assert {4 * i // len(order) for i in order[: len(order) // 4]} == {0, 1, 2, 3}
     batch = next(iter(loader))
-    pairs = char_dm.val_pairs(len(order))
-    for row, (source, target) in enumerate(pairs[i] for i in order[:BATCH]):
+    pairs = char_dm.val_pairs(BATCH)
+    for row, (source, target) in enumerate(pairs):
         assert batch["source"][row, : len(source)].tolist() == source
         assert batch["target_in"][row, 1 : len(target) + 1].tolist() == target
     assert char_dm.val_pairs(10**9) == char_dm.val_pairs(len(char_dm._split("val")[0]))

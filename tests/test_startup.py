@@ -30,12 +30,11 @@ def test_importing_train_collects_nothing_and_freezes_what_it_imported():
     assert full_collections == "0"
 
 
-# An offline W&B run started as our logger starts one; with STAGE, Launch inputs staged first
-# through W&B's public API, with a spy that counts the inputs W&B publishes to the run.
+# An offline W&B run started by our logger; with "stage", Launch inputs staged first through
+# W&B's public API, with a spy that counts (and passes on) the inputs W&B publishes to the run.
 WANDB_PROBE = """
 import sys
-import wandb
-from training.wandb_run import skip_launch_inputs_never_staged
+from training.wandb_run import WandbLogger
 published = []
 if sys.argv[2] == "stage":
     from wandb.sdk.launch import manage_wandb_config
@@ -43,9 +42,8 @@ if sys.argv[2] == "stage":
     publish = internal._publish_job_input
     internal._publish_job_input = lambda *args: (published.append(1), publish(*args))
     manage_wandb_config(include=["lr"])
-skip_launch_inputs_never_staged()
-run = wandb.init(mode="offline", dir=sys.argv[1], config={"lr": 0.1}, settings={"quiet": True})
-run.finish()
+logger = WandbLogger(offline=True, save_dir=sys.argv[1], config={"lr": 0.1})
+logger.experiment.finish()
 print("wandb.sdk.launch" in sys.modules, len(published))
 """
 

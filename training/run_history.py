@@ -52,9 +52,12 @@ class RunHistory(L.Callback):
         self._fit_start = time.perf_counter()
 
     @property
-    def fit_start_seconds(self) -> float:
-        """Seconds from the process's start (as for first_step_seconds) to the start of fitting:
-        a row's "time" plus this is its time since launch, in a run that resumes none."""
+    def fit_start_seconds(self) -> float | None:
+        """Seconds from the process's start (as for first_step_seconds) to the start of fitting,
+        so that a row's "time" plus this is its time since launch; None in a resumed run, whose
+        rows' times began in another process."""
+        if self._earlier_seconds:
+            return None
         return self._fit_start - self._run_start
 
     def elapsed(self) -> float:

@@ -33,13 +33,16 @@ def skip_launch_inputs_never_staged() -> None:
     """wandb.init ends by applying the W&B Launch job inputs staged in this process, and imports
     W&B Launch and W&B's public API to look for them: about 1 s of a run's start on a 2-core CPU.
     Inputs can only have been staged by code that imported the module that stages them, so
-    while it is not loaded there are none, and the look (with its imports) is skipped. A W&B
-    without that step (it is private) is left as it is."""
+    while it is not loaded there are none, and the look (with its imports) is skipped, for every
+    W&B run this process starts. A W&B whose step (a private one) is missing or looks in another
+    module is left as it is."""
     from wandb.sdk.wandb_run import Run
 
     apply_staged = getattr(Run, "_detect_and_apply_job_inputs", None)
     if apply_staged is None or getattr(apply_staged, "skips_unstaged", False):
         return
+    if STAGED_LAUNCH_INPUTS not in apply_staged.__code__.co_names:
+        return  # a W&B that stages them elsewhere: skipping could drop staged inputs
 
     def apply_if_any_staged(run: Run) -> None:
         if STAGED_LAUNCH_INPUTS in sys.modules:
