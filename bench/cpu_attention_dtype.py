@@ -4,16 +4,17 @@ than 64 in fp32 under bf16 autocast.
 
     python bench/cpu_attention_dtype.py [--repeats 7]
 
-Each shape runs the two dtypes alternately, `--repeats` rounds of 20 calls each, and reports the
-median milliseconds per call (min-max) and the median of the per-round ratios bf16 / fp32.
+Each shape runs the two dtypes alternately (runs.alternating_seconds: the order reversed every
+other round), `--repeats` rounds of 20 calls each after a warm-up call, and reports the median
+milliseconds per call (min-max) and the median of the per-round ratios bf16 / fp32.
 """
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from runs import alternating_seconds
 
 # (batch, heads, length, head dim): the nanoGPT CPU recipe's, experiment=cpu_fast's, nanoGPT's
 # shakespeare_char GPU shape's and a long-context one.
@@ -21,12 +22,9 @@ SHAPES = [(12, 4, 64, 32), (32, 4, 128, 32), (8, 6, 256, 64), (4, 12, 1024, 64)]
 CALLS = 20
 
 
-def timed_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
-    """Milliseconds per causal forward + backward, over CALLS calls."""
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-    return (time.perf_counter() - start) / CALLS * 1000
+def causal_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One causal forward + backward."""
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
 
 def main() -> None:
@@ -41,13 +39,9 @@ def main() -> None:
             dtype: [torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3)]
             for dtype in (torch.float32, torch.bfloat16)
         }
-        for tensors in inputs.values():  # warm-up
-            timed_calls(*tensors)
-        times = {dtype: [] for dtype in inputs}
-        for _ in range(args.repeats):
-            for dtype, tensors in inputs.items():
-                times[dtype].append(timed_calls(*tensors))
-        fp32, bf16 = times[torch.float32], times[torch.bfloat16]
+        steps = {dtype: lambda t=tensors: causal_step(*t) for dtype, tensors in inputs.items()}
+        seconds = alternating_seconds(steps, args.repeats, calls=CALLS)
+        fp32, bf16 = ([s * 1000 for s in seconds[d]] for d in (torch.float32, torch.bfloat16))
         ratio = statistics.median(b / f for b, f in zip(bf16, fp32, strict=True))
         cells = [f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for t in (fp32, bf16)]
         print(f"| {', '.join(map(str, shape))} | {cells[0]} | {cells[1]} | {ratio:.2f} |")
