@@ -178,8 +178,11 @@ def run_nanogpt(
     target: float | None = None,
 ) -> dict:
     wall, lines = timed(nanogpt_command(recipe, steps, out_dir, seed), copy)
-    stdout = "".join(line for _, line in lines)
-    milliseconds = [float(ms) for step, ms in NANOGPT_ITER.findall(stdout) if int(step) >= 10]
+    milliseconds = [
+        float(match[2])
+        for _, line in lines
+        if (match := NANOGPT_ITER.match(line)) and int(match[1]) >= 10
+    ]
     validations = [  # its own estimate, printed as soon as it is computed
         (seconds, float(match[2]))
         for seconds, line in lines
