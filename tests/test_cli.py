@@ -190,7 +190,7 @@ def test_cpu_fast_recipe_trains_with_muon_in_bf16(tmp_path, shared_cache):
     assert run_config["trainer"]["precision"] == "bf16-mixed"
     assert {t.dtype for t in checkpoint["state_dict"].values()} == {torch.float32}
     groups = checkpoint["optimizer_states"][0]["param_groups"]
-    assert [group["initial_lr"] for group in groups] == [1.2e-2, 2e-3]
+    assert [group["initial_lr"] for group in groups] == [1.2e-2, 5e-3]
     summary = json.loads((run_dir / "summary.json").read_text())
     val = [row["val/loss"] for row in summary["history"] if "val/loss" in row]
     assert len(val) == 3 and val[-1] < val[0]
