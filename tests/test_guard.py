@@ -1,5 +1,6 @@
 """The update guard: a flagged non-finite step leaves weights, AdamW moments and step count
-exactly as they were, and is reported when asked; finite steps update as if unguarded."""
+exactly as they were, and is reported when asked; finite steps update as if unguarded; on a
+GPU, no step waits for the device to tell whether it was flagged."""
 
 import copy
 import math
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from training.guard import UpdateGuard
-from training.optimizers import MuonWithAdamW
+from training.optimizers import Muon, MuonWithAdamW
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 OPTIMIZERS = ["adamw", "muon"]
@@ -85,3 +86,40 @@ def test_finite_steps_update_as_unguarded_and_after_a_skipped_one(device, kind):
     for name, value in guarded.state_dict().items():
         assert torch.equal(value, plain.state_dict()[name]), name
     assert [s.step for s in guard.skipped()] == [2]
+
+
+def test_muon_applies_the_flag_on_the_device_as_it_would_skip_on_the_host():
+    """The select MuonWithAdamW has Muon make off the CPU, run here on the CPU: unflagged steps
+    are the plain steps to the bit; a flagged one, its gradient NaN, changes neither the
+    weights nor the momentum."""
+    torch.manual_seed(0)
+    flagged = torch.nn.Parameter(torch.randn(3, 4))
+    plain = torch.nn.Parameter(flagged.detach().clone())
+    flagged_optimizer, plain_optimizer = Muon([flagged], lr=0.1), Muon([plain], lr=0.1)
+    for _ in range(3):
+        flagged.grad = torch.randn(3, 4)
+        plain.grad = flagged.grad.clone()
+        flagged_optimizer.step(found_inf=torch.tensor(0.0))
+        plain_optimizer.step()
+    assert torch.equal(flagged, plain)
+    weights = flagged.detach().clone()
+    momentum = flagged_optimizer.state[flagged]["momentum_buffer"].clone()
+    flagged.grad = torch.full((3, 4), math.nan)
+    flagged_optimizer.step(found_inf=torch.tensor(1.0))
+    assert torch.equal(flagged, weights)
+    assert torch.equal(flagged_optimizer.state[flagged]["momentum_buffer"], momentum)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host only waits for a device")
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_a_guarded_step_never_makes_the_host_wait(kind):
+    model, optimizer = _model_and_optimizer("cuda", kind)
+    loss = _backward(model)
+    grads = [p.grad for p in model.parameters()]
+    UpdateGuard().flag(optimizer, 1, torch.nn.utils.get_total_norm(grads), loss)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host read of device values raises
+    try:
+        optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

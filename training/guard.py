@@ -5,8 +5,9 @@ Each step, the fused AdamW is handed a `found_inf` flag, as AMP's gradient scale
 loss or the gradient norm is not finite, the optimizer kernel itself leaves the weights, its
 moments and its step count as they were. The host reads the flag one step later (or before a
 checkpoint is written), by which time a GPU has long finished computing it, so training never
-stalls on a per-step synchronisation. (MuonWithAdamW reads the flag on the host each step:
-Muon has no such input.)
+stalls on a per-step synchronisation. MuonWithAdamW hands the flag to both of its optimizers;
+Muon (optimizers.py) applies it with a device-side select (on the CPU, where reading the flag
+costs no wait, it skips the step instead).
 """
 
 import math

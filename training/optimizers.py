@@ -86,8 +86,12 @@ class Muon(Optimizer):
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, found_inf: Tensor | None = None):
+        """One update; found_inf (a 0-d tensor on the parameters' device, 1.0 or 0.0) skips it:
+        a flagged step leaves the weights and momentum as they were, decided on the device, so
+        that the host never waits to read the flag."""
         loss = closure_loss(closure)
+        skip = None if found_inf is None else found_inf.bool()
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for param in group["params"]:
@@ -97,17 +101,24 @@ class Muon(Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(param.grad)
                 buffer = state["momentum_buffer"]
-                buffer.lerp_(param.grad, 1 - momentum)
-                update = param.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+                averaged = buffer.lerp(param.grad, 1 - momentum)
+                update = param.grad.lerp(averaged, momentum) if group["nesterov"] else averaged
                 dtype = self.ns_dtype or (
                     torch.bfloat16 if multiplies_bf16(param.device.type) else torch.float32
                 )
                 update = orthogonalized(
                     update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
                 )
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-lr * rms_factor(group["adjust_lr_fn"], param.shape))
+                stepped = param.mul(1 - lr * group["weight_decay"])
+                stepped.add_(update, alpha=-lr * rms_factor(group["adjust_lr_fn"], param.shape))
+                replace_unless(skip, buffer, averaged)
+                replace_unless(skip, param, stepped)
         return loss
+
+
+def replace_unless(skip: Tensor | None, old: Tensor, new: Tensor) -> None:
+    """old = new, unless the device flag `skip` is set (a NaN in `new` then stays out)."""
+    old.copy_(new if skip is None else torch.where(skip, old, new))
 
 
 class MuonWithAdamW(Optimizer):
@@ -144,10 +155,14 @@ class MuonWithAdamW(Optimizer):
     def step(self, closure=None):
         loss = closure_loss(closure)
         # The update guard's flag (training/guard.py): fused AdamW reads it in its kernel, Muon
-        # cannot, so a flagged step skips Muon here, at the price of one host sync a step.
+        # on the device too, except on the CPU, where reading it costs no wait and skipping the
+        # step is cheaper than selecting each tensor.
         found_inf = self.adamw.found_inf = getattr(self, "found_inf", None)
-        if found_inf is None or not found_inf.item():
-            self.muon.step()
+        if found_inf is not None and found_inf.device.type == "cpu":
+            if not found_inf.item():
+                self.muon.step()
+        else:
+            self.muon.step(found_inf=found_inf)
         self.adamw.step()
         return loss
 
