@@ -91,6 +91,7 @@ class Muon(Optimizer):
         a flagged step leaves the weights and momentum as they were, decided on the device, so
         that the host never waits to read the flag."""
         loss = closure_loss(closure)
+        # Without a flag the step writes in place; with one it writes copies, selected below.
         skip = None if found_inf is None else found_inf.bool()
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
@@ -101,7 +102,8 @@ class Muon(Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(param.grad)
                 buffer = state["momentum_buffer"]
-                averaged = buffer.lerp(param.grad, 1 - momentum)
+                averaged = buffer if skip is None else buffer.clone()
+                averaged.lerp_(param.grad, 1 - momentum)
                 update = param.grad.lerp(averaged, momentum) if group["nesterov"] else averaged
                 dtype = self.ns_dtype or (
                     torch.bfloat16 if multiplies_bf16(param.device.type) else torch.float32
@@ -109,16 +111,13 @@ class Muon(Optimizer):
                 update = orthogonalized(
                     update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
                 )
-                stepped = param.mul(1 - lr * group["weight_decay"])
+                stepped = param if skip is None else param.clone()
+                stepped.mul_(1 - lr * group["weight_decay"])
                 stepped.add_(update, alpha=-lr * rms_factor(group["adjust_lr_fn"], param.shape))
-                replace_unless(skip, buffer, averaged)
-                replace_unless(skip, param, stepped)
+                if skip is not None:  # a flagged step keeps the old values (and any NaN out)
+                    buffer.copy_(torch.where(skip, buffer, averaged))
+                    param.copy_(torch.where(skip, param, stepped))
         return loss
-
-
-def replace_unless(skip: Tensor | None, old: Tensor, new: Tensor) -> None:
-    """old = new, unless the device flag `skip` is set (a NaN in `new` then stays out)."""
-    old.copy_(new if skip is None else torch.where(skip, old, new))
 
 
 class MuonWithAdamW(Optimizer):
