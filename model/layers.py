@@ -16,13 +16,52 @@ def dropout_layer(p: float) -> nn.Module:
     return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
+# A one-row product is split over the threads from this many weights on (512 KB in fp32).
+# Splitting pays when the weights come from memory and costs when they sit in the cache: on the
+# 2-core AMD EPYC, decoding nanoGPT's 6 x 384 GPT (42 MB of weights) ran 1.40x faster split and
+# a 4 x 128 one (3 MB) 0.84x (BENCHMARKS.md). A matrix's size stands in for the model's.
+SPLIT_MIN_WEIGHTS = 2**17
+
+
+class Linear(nn.Linear):
+    """nn.Linear that spreads a single row's product over the CPU's threads.
+
+    Decoding one token at batch 1 multiplies one row by every weight matrix. MKL runs such a
+    matrix-vector product on one thread, reading the weights at about half the speed both cores
+    of a 2-core CPU reach together (bench/matvec_layout.py). Cut into one block of rows per
+    thread, the weight becomes a batch of smaller products, and torch's batched product (bmm)
+    gives each thread a block. Everything else (training, batches, small matrices, other
+    devices and dtypes) takes nn.Linear's path; the conditions are ordered so that a training
+    step decides on the first.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (
+            torch.is_grad_enabled()
+            or x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or x.numel() != x.size(-1)
+            or self.weight.numel() < SPLIT_MIN_WEIGHTS
+        ):
+            return super().forward(x)
+        threads = torch.get_num_threads()
+        if threads == 1 or self.out_features % threads:
+            return super().forward(x)
+        blocks = self.weight.view(threads, self.out_features // threads, self.in_features)
+        # x as a (1, in, 1) column with a row's strides: MKL reads it as a transposed row. The
+        # same column made contiguous takes a path ~3x slower than the one-thread product.
+        y = torch.bmm(blocks, x.reshape(1, 1, -1).mT.expand(threads, -1, -1))
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class MLP(nn.Module):
     """Position-wise feed-forward network: Linear -> GELU -> Linear, (B, T, C) -> (B, T, C)."""
 
     def __init__(self, d_model: int, hidden: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
-        self.fc = nn.Linear(d_model, hidden, bias=bias)
-        self.proj = nn.Linear(hidden, d_model, bias=bias)
+        self.fc = Linear(d_model, hidden, bias=bias)
+        self.proj = Linear(hidden, d_model, bias=bias)
         self.dropout = dropout_layer(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

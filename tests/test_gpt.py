@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers import tiny_encdec, tiny_gpt
+from model import layers
 from model.attention import AttentionConfig
 from model.gpt import GPT, POSITIONS, GPTConfig
-from model.layers import INIT_STD, AddedPositions, sinusoidal_encoding
+from model.layers import INIT_STD, AddedPositions, Linear, sinusoidal_encoding
 
 VOCAB = 23
 
@@ -35,6 +36,70 @@ def test_kv_cache_decoding_matches_full_forward(case, prompt_len):
     for t in range(prompt_len, idx.size(1)):
         steps.append(model(idx[:, t : t + 1], cache=cache)[0])
     assert cache[0].length == idx.size(1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads (conftest runs the tests on one), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def split_small_matrices(monkeypatch):
+    """One-row products split over the threads whatever the matrix's size, so that tests can
+    check the split path on the tiny models."""
+    monkeypatch.setattr(layers, "SPLIT_MIN_WEIGHTS", 0)
+
+
+def aten_ops(run) -> set[str]:
+    """The names of the aten operators run() calls."""
+    with torch.profiler.profile() as profiler:
+        run()
+    return {event.name for event in profiler.events()}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@torch.inference_mode()
+def test_one_row_product_is_split_over_the_threads(two_threads, bias):
+    layer = Linear(384, 4 * 384, bias=bias)
+    assert layer.weight.numel() >= layers.SPLIT_MIN_WEIGHTS
+    x = torch.randn(1, 1, 384)
+    assert "aten::bmm" in aten_ops(lambda: layer(x))
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize(
+    "rows, out_features, grad",
+    [(2, 4 * 384, False), (1, 4 * 384 - 1, False), (1, 4 * 384, True), (1, 96, False)],
+    ids=["two_rows", "rows_not_divisible_by_threads", "grad_enabled", "small_matrix"],
+)
+def test_other_products_take_nn_linears_path(two_threads, rows, out_features, grad):
+    layer = Linear(384, out_features)
+    x = torch.randn(rows, 384)
+    with torch.set_grad_enabled(grad):
+        ops = aten_ops(lambda: layer(x))
+        y = layer(x)
+    assert "aten::bmm" not in ops
+    assert y.requires_grad == grad
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("case", ["learned", "gqa_rope"])
+@torch.inference_mode()
+def test_batch_one_decoding_on_two_threads_matches_full_forward(
+    two_threads, split_small_matrices, case
+):
+    model = tiny_gpt(VOCAB, **CACHE_CASES[case])
+    idx = torch.randint(VOCAB, (1, 12))
+    full, _ = model(idx)
+    cache = model.new_cache()
+    step = model(idx[:, :1], cache=cache)[0]
+    assert "aten::bmm" in aten_ops(lambda: model(idx[:, 1:2], cache=model.new_cache()))
+    steps = [step] + [model(idx[:, t : t + 1], cache=cache)[0] for t in range(1, idx.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
