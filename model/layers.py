@@ -17,9 +17,9 @@ def dropout_layer(p: float) -> nn.Module:
 
 
 # A one-row product is split over the threads from this many weights on (512 KB in fp32).
-# Splitting pays when the weights come from memory and costs when they sit in the cache: on the
-# 2-core AMD EPYC, decoding nanoGPT's 6 x 384 GPT (42 MB of weights) ran 1.40x faster split and
-# a 4 x 128 one (3 MB) 0.84x (BENCHMARKS.md). A matrix's size stands in for the model's.
+# Splitting pays when the weights come from memory and costs when they sit in the caches: on a
+# 2-core CPU it sped up decoding of GPTs from 19 MB of weights on, and of a 3 MB one not at all
+# (bench/decode_split.py, BENCHMARKS.md). A matrix's size stands in for the model's.
 SPLIT_MIN_WEIGHTS = 2**17
 
 
