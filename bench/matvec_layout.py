@@ -1,6 +1,7 @@
 """The matrix-vector products of a cached decoding step, one token at batch 1, on this machine's
 CPU: `nn.Linear`'s layout (weight stored (out, in), as F.linear reads it) against the same
-weights stored (in, out), and a plain read of them (a sum) as the memory's speed:
+weights stored (in, out), the products split over the threads as model/layers.py `Linear` does
+it, and a plain read of the weights (a sum) as the memory's speed:
 
     python bench/matvec_layout.py [--width 384] [--layers 6] [--repeats 15]
 
@@ -12,10 +13,16 @@ the GB/s that makes, then the median of the per-round ratios.
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from runs import alternating_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.layers import Linear  # noqa: E402
 
 
 def main() -> None:
@@ -29,12 +36,19 @@ def main() -> None:
     weights = [torch.randn(shape) for shape in shapes * args.layers]  # (out, in)
     input_major = [weight.T.contiguous() for weight in weights]  # (in, out)
     rows = {weight.size(1): torch.randn(1, weight.size(1)) for weight in weights}
+    split = []
+    for weight in weights:
+        layer = Linear(weight.size(1), weight.size(0), bias=False)
+        layer.weight.data = weight
+        split.append(layer)
     sides = {
         "F.linear, (out, in)": lambda: [F.linear(rows[w.size(1)], w) for w in weights],
         "x @ w, (in, out)": lambda: [rows[w.size(0)] @ w for w in input_major],
+        "Linear, split": lambda: [layer(rows[layer.in_features]) for layer in split],
         "sum, the memory's speed": lambda: [w.sum() for w in weights],
     }
-    times = alternating_seconds(sides, args.repeats)
+    with torch.inference_mode():
+        times = alternating_seconds(sides, args.repeats)
     gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
     print(f"{len(weights)} matrices, {gigabytes * 1e3:.0f} MB, {torch.get_num_threads()} threads")
     for name, values in times.items():
@@ -43,12 +57,12 @@ def main() -> None:
             f"{name:>24}: {median * 1e3:6.2f} ms ({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})"
             f", {gigabytes / median:5.1f} GB/s"
         )
-    first, second = list(times.values())[:2]
-    ratios = [a / b for a, b in zip(first, second, strict=True)]
-    print(
-        f"(out, in) / (in, out): {statistics.median(ratios):.2f} "
-        f"({min(ratios):.2f}-{max(ratios):.2f})"
-    )
+    for other in ("x @ w, (in, out)", "Linear, split"):
+        ratios = [a / b for a, b in zip(times["F.linear, (out, in)"], times[other], strict=True)]
+        print(
+            f"F.linear / {other}: {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f})"
+        )
 
 
 if __name__ == "__main__":
