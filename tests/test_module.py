@@ -50,6 +50,48 @@ def test_bits_per_char_is_loss_per_character_of_val_text(tmp_path, tokenizer):
     assert metrics["val/loss"] == pytest.approx(nats / tokens, rel=1e-4)
 
 
+class ValidationSteps(L.Callback):
+    """The global step of every validation a run makes."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("max_steps, expected", [(7, [3, 6, 7]), (6, [3, 6])])
+def test_the_last_step_is_validated_once_whatever_the_interval(tmp_path, max_steps, expected):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    data = LMDataModule(
+        source="text_files",
+        paths=[str(tmp_path / "corpus.txt")],
+        block_size=16,
+        batch_size=4,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data.prepare_data()
+    data.setup()
+    config = tiny_gpt_config(data.vocab_size, n_layer=1)
+    module = LanguageModelModule(config.to_dict(), {"lr": 1e-3}, data.tokenizer.to_dict())
+    validations = ValidationSteps()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[validations],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == max_steps
+    assert validations.steps == expected
+
+
 def validate(
     module: TrainingModule, batches: list, monkeypatch, sanity_checking: bool = False
 ) -> dict[str, float]:

@@ -138,6 +138,11 @@ class TrainingModule(L.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # The last step is validated (and checkpointed by its validation) even where
+        # val_check_interval does not divide max_steps: Lightning validates after any step
+        # that asks the run to stop, and max_steps would stop it there anyway.
+        if 0 < self.trainer.max_steps <= self.global_step:
+            self.trainer.should_stop = True
         # Throughput over the steps since the last log, from one step's end to another's: data
         # loading, forward, backward, optimizer and callbacks, on every rank together.
         now = time.perf_counter()
