@@ -70,6 +70,15 @@ RECIPES = {
 }
 
 
+# nanoGPT's shakespeare_char config evaluates (and saves its checkpoint) every 250 steps; a run
+# of fewer steps evaluates at its last one on both sides.
+EVAL_INTERVAL = 250
+
+
+def eval_interval(steps: int) -> int:
+    return min(EVAL_INTERVAL, steps)
+
+
 # nanoGPT seeds torch with 1337 (+ the rank) in its train.py, a value no flag sets. Its
 # configurator runs any config file it is given inside train.py, before that call: this one
 # shifts the seed, so that both sides can run the same seeds.
@@ -98,6 +107,7 @@ def nanogpt_command(recipe: dict, steps: int, out_dir: Path, seed: int = 1337) -
         f"--lr_decay_iters={steps}",
         f"--dropout={recipe['dropout']}",
         f"--eval_iters={recipe['eval_iters']}",
+        f"--eval_interval={eval_interval(steps)}",
         "--log_interval=1",
         f"--out_dir={out_dir}",
     ]
@@ -129,7 +139,7 @@ def our_command(
         "optim.min_lr_ratio=0.1",
         "optim.beta2=0.99",
         f"trainer.max_steps={steps}",
-        "trainer.val_check_interval=250",
+        f"trainer.val_check_interval={eval_interval(steps)}",
         f"trainer.limit_val_batches={recipe['eval_iters']}",
         f"callbacks.attention_maps.every_n_steps={steps}",  # the maps of the trained model
         *recipe["ours"],
