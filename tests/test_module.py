@@ -3,6 +3,7 @@ through the module's validation hooks driven by hand on batches built to the pur
 
 import io
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -18,22 +19,29 @@ from training.module import LanguageModelModule, Seq2SeqModule, TrainingModule
 TEXT = "\n\n".join(f"Speaker {i}:\nSome words, and more words; line {i % 7}." for i in range(200))
 
 
-@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
-def test_bits_per_char_is_loss_per_character_of_val_text(tmp_path, tokenizer):
-    (tmp_path / "corpus.txt").write_text(TEXT)  # ASCII: each character is one byte
+def text_and_gpt(folder: Path, tokenizer: str = "char") -> tuple[LMDataModule, TrainingModule]:
+    """TEXT as a prepared text_files data module (16-token blocks, batches of 4), and a
+    one-layer GPT module for its tokenizer."""
+    (folder / "corpus.txt").write_text(TEXT)  # ASCII: each character is one byte
     data = LMDataModule(
         source="text_files",
-        paths=[str(tmp_path / "corpus.txt")],
+        paths=[str(folder / "corpus.txt")],
         tokenizer=tokenizer,
         bpe_vocab_size=300,
         block_size=16,
         batch_size=4,
-        cache_dir=str(tmp_path / "cache"),
+        cache_dir=str(folder / "cache"),
     )
     data.prepare_data()
     data.setup()
     config = tiny_gpt_config(data.vocab_size, n_layer=1)
     module = LanguageModelModule(config.to_dict(), {"lr": 1e-3}, data.tokenizer.to_dict())
+    return data, module
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_bits_per_char_is_loss_per_character_of_val_text(tmp_path, tokenizer):
+    data, module = text_and_gpt(tmp_path, tokenizer)
     trainer = L.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
@@ -62,18 +70,7 @@ class ValidationSteps(L.Callback):
 
 @pytest.mark.parametrize("max_steps, expected", [(7, [3, 6, 7]), (6, [3, 6])])
 def test_the_last_step_is_validated_once_whatever_the_interval(tmp_path, max_steps, expected):
-    (tmp_path / "corpus.txt").write_text(TEXT)
-    data = LMDataModule(
-        source="text_files",
-        paths=[str(tmp_path / "corpus.txt")],
-        block_size=16,
-        batch_size=4,
-        cache_dir=str(tmp_path / "cache"),
-    )
-    data.prepare_data()
-    data.setup()
-    config = tiny_gpt_config(data.vocab_size, n_layer=1)
-    module = LanguageModelModule(config.to_dict(), {"lr": 1e-3}, data.tokenizer.to_dict())
+    data, module = text_and_gpt(tmp_path)
     validations = ValidationSteps()
     trainer = L.Trainer(
         accelerator="cpu",
