@@ -1,5 +1,6 @@
 """Cached decoding at batch 1 on the CPU with the one-row products split over the threads
-(model/layers.py `Linear`) and without, for GPTs of growing size, to see where splitting pays:
+(model/layers.py `ThreadSplitLinear`) and without, for GPTs of growing size, to see where
+splitting pays:
 
     python bench/decode_split.py [--tokens 120] [--repeats 8]
 

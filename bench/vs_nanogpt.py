@@ -70,8 +70,10 @@ RECIPES = {
 }
 
 
-# nanoGPT's shakespeare_char config evaluates (and saves its checkpoint) every 250 steps; a run
-# of fewer steps evaluates at its last one on both sides.
+# nanoGPT's shakespeare_char config evaluates (and saves its checkpoint) every 250 steps, and
+# at the last step only where 250 divides it; ours validates its last step whatever the
+# interval. So --steps is below 250 (both sides evaluate at the last step only) or a multiple
+# of it, and both sides evaluate at the same steps.
 EVAL_INTERVAL = 250
 
 
@@ -347,6 +349,12 @@ def main() -> None:
         recipe["nanogpt"] = ["--device=cuda", "--compile=False", "--dtype=float32"]
         recipe["ours"] = ["trainer.accelerator=gpu"]
     steps = args.steps or recipe["steps"]
+    if steps >= EVAL_INTERVAL and steps % EVAL_INTERVAL:
+        parser.error(
+            f"--steps {steps}: give fewer than {EVAL_INTERVAL} steps or a multiple of "
+            f"{EVAL_INTERVAL}, nanoGPT's evaluation interval, so that both sides evaluate at "
+            "the same steps"
+        )
     text = (args.text or args.nanogpt.parent / "tinyshakespeare").resolve()
     own = args.own is not None
     extra = (args.own if own else args.ours).split()

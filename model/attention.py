@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from errors import check_field_types, check_int, is_number
-from model.layers import Linear, RotaryEmbedding, alibi_bias, alibi_slopes, dropout_layer
+from model.layers import RotaryEmbedding, ThreadSplitLinear, alibi_bias, alibi_slopes, dropout_layer
 
 
 def check_key_padding_mask(key_padding_mask: Tensor | None, k_len: int) -> None:
@@ -404,11 +404,11 @@ class MultiHeadAttention(nn.Module):
         kv_width = self.n_kv_head * self.head_dim
         self.widths = (self.n_head * self.head_dim, kv_width, kv_width)  # q, k, v
         if self.is_cross:
-            self.q_proj = Linear(d_model, self.widths[0], bias=bias)
-            self.kv_proj = Linear(context_dim, sum(self.widths[1:]), bias=bias)
+            self.q_proj = ThreadSplitLinear(d_model, self.widths[0], bias=bias)
+            self.kv_proj = ThreadSplitLinear(context_dim, sum(self.widths[1:]), bias=bias)
         else:
-            self.qkv_proj = Linear(d_model, sum(self.widths), bias=bias)
-        self.out_proj = Linear(self.n_head * self.head_dim, d_model, bias=bias)
+            self.qkv_proj = ThreadSplitLinear(d_model, sum(self.widths), bias=bias)
+        self.out_proj = ThreadSplitLinear(self.n_head * self.head_dim, d_model, bias=bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = dropout_layer(resid_dropout)
         self.rope = RotaryEmbedding(self.head_dim) if position == "rope" else None

@@ -18,39 +18,49 @@ def dropout_layer(p: float) -> nn.Module:
 
 # A one-row product is split over the threads from this many weights on (512 KB in fp32).
 # Splitting pays when the weights come from memory and costs when they sit in the caches: on a
-# 2-core CPU it sped up decoding of GPTs from 19 MB of weights on, and of a 3 MB one not at all
-# (bench/decode_split.py, BENCHMARKS.md). A matrix's size stands in for the model's.
+# 2-core AMD EPYC it sped up decoding of GPTs from 19 MB of weights on, and of a 3 MB one not at
+# all (bench/decode_split.py, BENCHMARKS.md). A matrix's size stands in for the model's.
 SPLIT_MIN_WEIGHTS = 2**17
 
 
-class Linear(nn.Linear):
-    """nn.Linear that spreads a single row's product over the CPU's threads.
+class ThreadSplitLinear(nn.Linear):
+    """nn.Linear whose one-row products are spread over the CPU's threads.
 
-    Decoding one token at batch 1 multiplies one row by every weight matrix. MKL runs such a
-    matrix-vector product on one thread, reading the weights at about half the speed both cores
-    of a 2-core CPU reach together (bench/matvec_layout.py). Cut into one block of rows per
-    thread, the weight becomes a batch of smaller products, and torch's batched product (bmm)
-    gives each thread a block. Everything else (training, batches, small matrices, other
-    devices and dtypes) takes nn.Linear's path; the conditions are ordered so that a training
-    step decides on the first.
+    Decoding one token at batch 1 multiplies one row by every weight matrix. On the 2-core CPU
+    where this was measured (an AMD EPYC with AVX2), MKL ran each such matrix-vector product on
+    one thread, reading the weights at about half the speed both cores reach together
+    (bench/matvec_layout.py). Cut into one block of rows per thread, the weight becomes a batch
+    of smaller products, and torch's batched product (bmm) gives each thread a block. Everything
+    else takes nn.Linear's path: training and batches, small matrices, other devices and dtypes,
+    autocast, and torch.compile (which fuses the product itself, and to which the thread count
+    is no tensor). The conditions are ordered so that a training step decides on the first.
     """
 
-    def forward(self, x: Tensor) -> Tensor:
+    def blocks_for(self, x: Tensor) -> int:
+        """How many blocks of rows x's product is cut into: one per thread for a single fp32
+        row on the CPU, outside autograd, autocast and compilation, and a large enough weight
+        whose rows the threads divide; else 1, nn.Linear's path."""
         if (
             torch.is_grad_enabled()
             or x.device.type != "cpu"
             or x.dtype != torch.float32
             or x.numel() != x.size(-1)
             or self.weight.numel() < SPLIT_MIN_WEIGHTS
+            or torch.is_autocast_enabled("cpu")
+            or torch.compiler.is_compiling()
         ):
-            return super().forward(x)
+            return 1
         threads = torch.get_num_threads()
-        if threads == 1 or self.out_features % threads:
+        return 1 if self.out_features % threads else threads
+
+    def forward(self, x: Tensor) -> Tensor:
+        blocks = self.blocks_for(x)
+        if blocks == 1:
             return super().forward(x)
-        blocks = self.weight.view(threads, self.out_features // threads, self.in_features)
+        weight = self.weight.view(blocks, self.out_features // blocks, self.in_features)
         # x as a (1, in, 1) column with a row's strides: MKL reads it as a transposed row. The
         # same column made contiguous takes a path ~3x slower than the one-thread product.
-        y = torch.bmm(blocks, x.reshape(1, 1, -1).mT.expand(threads, -1, -1))
+        y = torch.bmm(weight, x.reshape(1, 1, -1).mT.expand(blocks, -1, -1))
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -60,8 +70,8 @@ class MLP(nn.Module):
 
     def __init__(self, d_model: int, hidden: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
-        self.fc = Linear(d_model, hidden, bias=bias)
-        self.proj = Linear(hidden, d_model, bias=bias)
+        self.fc = ThreadSplitLinear(d_model, hidden, bias=bias)
+        self.proj = ThreadSplitLinear(hidden, d_model, bias=bias)
         self.dropout = dropout_layer(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -23,7 +23,8 @@ for variable, folder in CACHE_VARIABLES.items():
     os.environ[variable] = str(_HOME / folder)
 
 # One thread: tiny tensors run faster, two test workers on two cores do not fight over them,
-# and float results do not depend on the machine's core count.
+# and float results do not depend on the machine's core count (batch-1 decoding splits its
+# products over the threads: the tests of that path set two threads themselves).
 torch.set_num_threads(1)
 
 

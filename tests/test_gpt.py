@@ -10,7 +10,7 @@ from helpers import tiny_encdec, tiny_gpt
 from model import layers
 from model.attention import AttentionConfig
 from model.gpt import GPT, POSITIONS, GPTConfig
-from model.layers import INIT_STD, AddedPositions, Linear, sinusoidal_encoding
+from model.layers import INIT_STD, AddedPositions, ThreadSplitLinear, sinusoidal_encoding
 
 VOCAB = 23
 
@@ -65,7 +65,7 @@ def aten_ops(run) -> set[str]:
 @pytest.mark.parametrize("bias", [True, False])
 @torch.inference_mode()
 def test_one_row_product_is_split_over_the_threads(two_threads, bias):
-    layer = Linear(384, 4 * 384, bias=bias)
+    layer = ThreadSplitLinear(384, 4 * 384, bias=bias)
     assert layer.weight.numel() >= layers.SPLIT_MIN_WEIGHTS
     x = torch.randn(1, 1, 384)
     assert "aten::bmm" in aten_ops(lambda: layer(x))
@@ -78,7 +78,7 @@ def test_one_row_product_is_split_over_the_threads(two_threads, bias):
     ids=["two_rows", "rows_not_divisible_by_threads", "grad_enabled", "small_matrix"],
 )
 def test_other_products_take_nn_linears_path(two_threads, rows, out_features, grad):
-    layer = Linear(384, out_features)
+    layer = ThreadSplitLinear(384, out_features)
     x = torch.randn(rows, 384)
     with torch.set_grad_enabled(grad):
         ops = aten_ops(lambda: layer(x))
@@ -86,6 +86,25 @@ def test_other_products_take_nn_linears_path(two_threads, rows, out_features, gr
     assert "aten::bmm" not in ops
     assert y.requires_grad == grad
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+
+
+@torch.inference_mode()
+def test_one_row_under_autocast_takes_nn_linears_path_and_dtype(two_threads):
+    layer = ThreadSplitLinear(384, 4 * 384)
+    x = torch.randn(1, 384)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ops = aten_ops(lambda: layer(x))
+        y, expected = layer(x), F.linear(x, layer.weight, layer.bias)
+    assert "aten::bmm" not in ops
+    assert y.dtype == expected.dtype == torch.bfloat16
+
+
+@torch.inference_mode()
+def test_one_row_product_compiles_in_one_graph(two_threads):
+    layer = ThreadSplitLinear(384, 4 * 384)
+    x = torch.randn(1, 384)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)  # a graph break raises
+    torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("case", ["learned", "gqa_rope"])
