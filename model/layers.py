@@ -27,13 +27,14 @@ class ThreadSplitLinear(nn.Linear):
     """nn.Linear whose one-row products are spread over the CPU's threads.
 
     Decoding one token at batch 1 multiplies one row by every weight matrix. On the 2-core CPU
-    where this was measured (an AMD EPYC with AVX2), MKL ran each such matrix-vector product on
-    one thread, reading the weights at about half the speed both cores reach together
-    (bench/matvec_layout.py). Cut into one block of rows per thread, the weight becomes a batch
-    of smaller products, and torch's batched product (bmm) gives each thread a block. Everything
-    else takes nn.Linear's path: training and batches, small matrices, other devices and dtypes,
-    autocast, and torch.compile (which fuses the product itself, and to which the thread count
-    is no tensor). The conditions are ordered so that a training step decides on the first.
+    where this was measured (an AMD EPYC with AVX2), MKL's matrix-vector product read the
+    weights at about half the speed both cores reach together (bench/matvec_layout.py), and no
+    faster on two threads than on one. Cut into one block of rows per thread, the weight
+    becomes a batch of smaller products, and torch's batched product (bmm) gives each thread a
+    block. Everything else takes nn.Linear's path: training and batches, small matrices, other
+    devices and dtypes, autocast, and torch.compile (which fuses the product itself, and to
+    which the thread count is no tensor). The conditions are ordered so that a training step
+    decides on the first.
     """
 
     def blocks_for(self, x: Tensor) -> int:
