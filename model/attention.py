@@ -358,6 +358,36 @@ class KVCache:
             self._v = self._v.index_select(0, index)
 
 
+class StaticKVCache:
+    """Keys and values (B, Hkv, max_len, D) of one self-attention layer, in memory whose shape and
+    place never change: what a decoding step captured as a CUDA graph needs, since each replay
+    reruns the captured kernels on the same memory and nothing in it may depend on a number the
+    host holds. Position p lives in slot p; `length` is a 0-d tensor on the device, shared by
+    every layer's cache, that the caller advances after each step.
+
+    Every step reads all max_len slots: causality hides the slots after the queries (not yet
+    written, or left over from before the caller restarted at 0). Nothing here can check that
+    the caller stays within max_len without making the host wait for the device.
+    """
+
+    def __init__(self, max_len: int, length: Tensor):
+        self.max_len = max_len
+        self.length = length
+        self._k: Tensor | None = None
+        self._v: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, None]:
+        """Store k, v (B, Hkv, Tn, D) at positions length.. ; return every slot's keys and values
+        (their positions are 0..max_len-1)."""
+        if self._k is None:
+            self._k = k.new_zeros(*k.shape[:-2], self.max_len, k.size(-1))
+            self._v = v.new_zeros(*v.shape[:-2], self.max_len, v.size(-1))
+        slots = self.length + torch.arange(k.size(-2), device=k.device)
+        self._k.index_copy_(-2, slots, k)
+        self._v.index_copy_(-2, slots, v)
+        return self._k, self._v, None
+
+
 # The joined projections (self-attention's qkv_proj, cross-attention's kv_proj) and the ones each
 # replaced, in the order checkpoints from before the join hold them.
 JOINED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
@@ -434,8 +464,12 @@ class MultiHeadAttention(nn.Module):
         return x.view(batch, length, n_head, self.head_dim).transpose(1, 2)
 
     def _project(
-        self, x: Tensor, context: Tensor | None, cache: KVCache | None, query_offset: int = 0
-    ) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
+        self,
+        x: Tensor,
+        context: Tensor | None,
+        cache: KVCache | StaticKVCache | None,
+        query_offset: int = 0,
+    ) -> tuple[Tensor, Tensor, Tensor, int | Tensor, Tensor | None]:
         """q (B, H, Tq, D), k and v (B, Hkv, Tk, D), the absolute position of x's first row, and
         the keys' positions (Tk,) where they are not 0..Tk-1 (a windowed cache's).
 
@@ -474,15 +508,16 @@ class MultiHeadAttention(nn.Module):
         self,
         q_len: int,
         k_len: int,
-        offset: int,
+        offset: int | Tensor,
         key_padding_mask: Tensor | None,
         attn_mask: Tensor | None,
         device: torch.device,
         k_pos: Tensor | None = None,
     ) -> Tensor | None:
         """Combine causality, window, padding, ALiBi and the caller's mask into one mask, for
-        queries at positions offset.. and keys at k_pos (Tk,) (None: 0..Tk-1)."""
-        q_pos = torch.arange(offset, offset + q_len, device=device)
+        queries at positions offset.. and keys at k_pos (Tk,) (None: 0..Tk-1). The offset may be
+        a 0-d tensor (a static cache's length)."""
+        q_pos = offset + torch.arange(q_len, device=device)
         k_pos = torch.arange(k_len, device=device) if k_pos is None else k_pos
         allowed = None
         if self.causal:
@@ -506,13 +541,18 @@ class MultiHeadAttention(nn.Module):
             additive = additive.masked_fill(~allowed, float("-inf"))
         return additive
 
-    def _is_plain_causal(self, q_len: int, k_len: int, key_padding_mask, attn_mask) -> bool:
+    def _is_plain_causal(
+        self, q_len: int, k_len: int, offset: int | Tensor, key_padding_mask, attn_mask
+    ) -> bool:
         """True when the mask is plain causality with the queries ending at the last key:
         either all positions (no offset), or one query, the newest, which sees every key (a
-        decoding step). Keys are always the latest positions, so a window of at least Tk keys
-        hides none of them. The fused kernel then needs no mask tensor, its fastest case."""
+        decoding step). A KVCache's keys are always the latest positions, so a window of at least
+        Tk keys hides none of them; a StaticKVCache (its length, the offset, a tensor) holds slots
+        past the queries, which only a mask hides. The fused kernel then needs no mask tensor,
+        its fastest case."""
         return (
             self.causal
+            and isinstance(offset, int)
             and (q_len == k_len or q_len == 1)
             and (self.window is None or k_len <= self.window)
             and self.alibi_slopes is None
@@ -521,7 +561,7 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _is_local(
-        self, q_len: int, k_len: int, offset: int, context: Tensor | None, attn_mask
+        self, q_len: int, k_len: int, offset: int | Tensor, context: Tensor | None, attn_mask
     ) -> bool:
         """True when local_attention computes this call: a sliding window over self-attention
         whose keys are the queries' own positions (no cached past, no caller's mask), at least
@@ -531,6 +571,7 @@ class MultiHeadAttention(nn.Module):
             self.window is not None
             and context is None
             and attn_mask is None
+            and isinstance(offset, int)
             and offset == 0
             and q_len == k_len >= LOCAL_MIN_WINDOWS * self.window
         )
@@ -543,7 +584,7 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
         need_weights: bool = False,
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         query_offset: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
         q, k, v, offset, k_pos = self._project(x, context, cache, query_offset)
@@ -554,7 +595,7 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             mask = self._mask(q_len, k_len, offset, key_padding_mask, attn_mask, x.device, k_pos)
             out, weights = scaled_dot_product_attention(q, k, v, mask, self.scale, dropout_p)
-        elif self._is_plain_causal(q_len, k_len, key_padding_mask, attn_mask):
+        elif self._is_plain_causal(q_len, k_len, offset, key_padding_mask, attn_mask):
             out = fused_attention(
                 q,
                 repeat_kv(k, self.n_head),

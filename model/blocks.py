@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from torch import Tensor, nn
 
 from errors import check_field_types, check_int
-from model.attention import AttentionConfig, KVCache, MultiHeadAttention
+from model.attention import AttentionConfig, KVCache, MultiHeadAttention, StaticKVCache
 from model.layers import INIT_STD, MLP
 
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
@@ -126,7 +126,7 @@ class Block(nn.Module):
         x: Tensor,
         *,
         padding_mask: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         memory: Tensor | None = None,
         memory_mask: Tensor | None = None,
         cross_cache: KVCache | None = None,

@@ -56,6 +56,7 @@ def generate(
     max_new_tokens: int,
     *,
     use_cache: bool = True,
+    static_cache: bool = False,
     vocab_size: int | None = None,
     **sampling,
 ) -> Iterator[Tensor]:
@@ -65,12 +66,16 @@ def generate(
     The KV cache makes a step cost one position instead of the whole context. The context is
     the last block_size tokens; when the cache fills up it is rebuilt from the last half block,
     so that the cost of re-reading the context is paid once every block_size/2 tokens.
+    static_cache (with use_cache) decodes through StaticDecoding: on a GPU, CUDA graphs.
     """
     block_size = model.config.block_size
-    forward = without_onednn(model, model)
     context = idx[:, -block_size:]
-    cache = model.new_cache() if use_cache else None
-    logits, _ = forward(context, cache=cache)
+    if use_cache:
+        decoding = StaticDecoding(model) if static_cache else CachedDecoding(model)
+        logits = decoding.start(context)
+    else:
+        forward = without_onednn(model, model)
+        logits, _ = forward(context)
     for step in range(max_new_tokens):
         token = next_token(logits[:, -1, :vocab_size], **sampling)
         yield token
@@ -80,12 +85,91 @@ def generate(
         if not use_cache:
             context = context[:, -block_size:]
             logits, _ = forward(context)
-        elif cache[0].length < block_size:
-            logits, _ = forward(token[:, None], cache=cache)
+        elif decoding.length < block_size:
+            logits = decoding.step(token[:, None])
         else:
             context = context[:, -max(1, block_size // 2) :]  # block_size 1: keep 1, not all
-            cache = model.new_cache()
-            logits, _ = forward(context, cache=cache)
+            logits = decoding.start(context)
+
+
+class CachedDecoding:
+    """A GPT's decoding steps with a KVCache per layer: start(context) reads a context into new
+    caches, step(tokens (B, 1)) adds one position; both return the logits (B, T, V)."""
+
+    def __init__(self, model: GPT):
+        self.model = model
+        self.forward = without_onednn(model, model)
+
+    def start(self, context: Tensor) -> Tensor:
+        self.cache = self.model.new_cache()
+        return self.forward(context, cache=self.cache)[0]
+
+    def step(self, tokens: Tensor) -> Tensor:
+        return self.forward(tokens, cache=self.cache)[0]
+
+    @property
+    def length(self) -> int:
+        """The positions the caches hold."""
+        return self.cache[0].length
+
+
+class StaticDecoding:
+    """CachedDecoding's steps with a StaticKVCache per layer, whose shapes and memory never
+    change. On a GPU the first step is captured as a CUDA graph and every later one replays it:
+    at batch 1 a step is a hundred-odd small kernels, which take longer to launch one by one
+    from Python than to run. On the CPU the steps run as they are (slower than CachedDecoding:
+    each reads all block_size slots), which lets a test set them against CachedDecoding's.
+
+    start() runs outside the graph (its length varies), into the same caches, from position 0:
+    slots left from before lie after the queries, where causality hides them.
+    """
+
+    def __init__(self, model: GPT):
+        self.model = model
+        device = next(model.parameters()).device
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        self.cache = model.new_static_cache(self.position)
+        self.length = 0  # the host's copy of position, so that it never reads the device's
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def start(self, context: Tensor) -> Tensor:
+        self.position.zero_()
+        self.length = 0
+        logits = self.model(context, cache=self.cache)[0]
+        self._advance(context.size(1))
+        return logits
+
+    def step(self, tokens: Tensor) -> Tensor:
+        if self.position.device.type != "cuda":
+            logits = self.model(tokens, cache=self.cache)[0]
+        else:
+            if self.graph is None:
+                self._capture(tokens)
+            self.tokens.copy_(tokens)
+            self.graph.replay()
+            logits = self.logits
+        self._advance(1)
+        return logits
+
+    def _advance(self, positions: int) -> None:
+        self.position += positions
+        self.length += positions
+
+    def _capture(self, tokens: Tensor) -> None:
+        """Record one step on the tokens (B, 1) as a graph: its input is self.tokens, its output
+        self.logits. The warm-up steps, on a side stream as CUDA graphs require, set up the
+        libraries' handles and workspaces outside the capture; they write the same position
+        that the step then writes again."""
+        self.tokens = tokens.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.model(self.tokens, cache=self.cache)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.model(self.tokens, cache=self.cache)[0]
 
 
 def without_onednn(model: nn.Module, call: Callable) -> Callable:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from errors import check_int
-from model.attention import KVCache
+from model.attention import KVCache, StaticKVCache
 from model.blocks import (
     POSITIONS,
     Block,
@@ -75,8 +75,17 @@ class GPT(nn.Module):
         window = self.config.attention.window
         return [KVCache(max_len or self.config.block_size, window) for _ in self.blocks]
 
+    def new_static_cache(self, length: Tensor) -> list[StaticKVCache]:
+        """One block_size-long StaticKVCache per layer, all sharing `length` (a 0-d long tensor on
+        the model's device that the caller advances): the cache of a decoding step captured as a
+        CUDA graph. A sliding window is a mask over it."""
+        return [StaticKVCache(self.config.block_size, length) for _ in self.blocks]
+
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None, cache: list[KVCache] | None = None
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        cache: list[KVCache] | list[StaticKVCache] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         offset = cache[0].length if cache else 0
         x = self.drop(self.pos_emb(self.tok_emb(idx), offset))

@@ -105,9 +105,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Rotate x (B, H, T, D) as if its first position were `offset`."""
-        positions = torch.arange(offset, offset + x.size(-2), device=x.device, dtype=torch.float32)
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """Rotate x (B, H, T, D) as if its first position were `offset` (an int or a 0-d tensor)."""
+        positions = offset + torch.arange(x.size(-2), device=x.device, dtype=torch.float32)
         angles = torch.outer(positions, self.inv_freq)
         cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(x.dtype)
         sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(x.dtype)
@@ -164,10 +164,14 @@ class AddedPositions(nn.Module):
             table = sinusoidal_encoding(max_len, d_model) * INIT_STD * math.sqrt(2)
             self.register_buffer("weight", table, persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x plus the encodings of positions offset .. offset + T - 1."""
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """x plus the encodings of positions offset .. offset + T - 1. A 0-d tensor offset (a
+        static cache's length, on the device) is not checked against max_len: that would make
+        the host wait for the device; the cache's owner keeps within it."""
         if self.kind not in ("learned", "sinusoidal"):
             return x
+        if isinstance(offset, Tensor):
+            return x + self.weight[offset + torch.arange(x.size(1), device=x.device)]
         end = offset + x.size(1)
         if end > self.max_len:
             raise ValueError(

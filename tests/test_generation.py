@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from helpers import tiny_gpt
-from model.generation import filter_logits, generate, next_token
+from model.generation import (
+    CachedDecoding,
+    StaticDecoding,
+    filter_logits,
+    generate,
+    next_token,
+)
 from model.gpt import GPT
 
 VOCAB = 29
@@ -128,6 +134,59 @@ def test_greedy_with_and_without_cache_agree_within_block_size(position, attenti
     assert_decisive(model, idx, cached)
     uncached = run(model, idx, 12, greedy=True, use_cache=False)
     assert torch.equal(cached, uncached)
+    assert torch.equal(cached, run(model, idx, 12, greedy=True, static_cache=True))
+
+
+@pytest.mark.parametrize(
+    "position, attention",
+    [
+        ("learned", {}),
+        ("sinusoidal", {"n_kv_head": 2}),
+        ("rope", {"window": 3}),
+        ("alibi", {}),
+        ("none", {"window": 5}),
+    ],
+)
+@torch.inference_mode()
+def test_static_cache_steps_give_the_kv_cache_logits_across_a_restart(position, attention):
+    model = tiny_gpt(VOCAB, position, block_size=8, **attention)
+    cached, static = CachedDecoding(model), StaticDecoding(model)
+    logits = []
+    # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before
+    for context in (torch.randint(VOCAB, (2, 5)), torch.randint(VOCAB, (2, 4))):
+        logits.append((cached.start(context), static.start(context)))
+        for _ in range(3):
+            tokens = torch.randint(VOCAB, (2, 1))
+            logits.append((cached.step(tokens), static.step(tokens)))
+        assert static.length == cached.length == context.size(1) + 3
+    slots = [layer._k.data_ptr() for layer in static.cache]
+    static.start(torch.randint(VOCAB, (2, 6)))
+    assert [layer._k.data_ptr() for layer in static.cache] == slots  # the memory never moves
+    for kv_cache, static_cache in logits:
+        torch.testing.assert_close(static_cache, kv_cache, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@torch.inference_mode()
+def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device():
+    model = tiny_gpt(VOCAB, "rope", block_size=16).cuda()
+    cached, static = CachedDecoding(model), StaticDecoding(model)
+    context = torch.randint(VOCAB, (2, 5), device="cuda")
+    pairs = [(cached.start(context), static.start(context))]
+    tokens = torch.randint(VOCAB, (2, 1), device="cuda")
+    pairs.append((cached.step(tokens), static.step(tokens)))  # captures the graph
+    assert static.graph is not None
+    steps = []
+    torch.cuda.set_sync_debug_mode("error")  # a replay that read a number back would raise
+    try:
+        for _ in range(8):
+            tokens = static.logits[:, -1].argmax(-1, keepdim=True)
+            steps.append((tokens, static.step(tokens).clone()))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    pairs += [(cached.step(tokens), logits) for tokens, logits in steps]
+    for kv_cache, static_cache in pairs:
+        torch.testing.assert_close(static_cache, kv_cache, atol=1e-3, rtol=1e-3)
 
 
 @torch.no_grad()
