@@ -213,11 +213,21 @@ def run(cfg: DictConfig) -> None:
         attention_plot=options["attention_plot"],
     )
     config = SamplingConfig(**options)  # bad options fail before anything is loaded
+    if config.cuda_graph and device.type != "cuda":
+        raise ValueError(
+            f"cuda_graph=true needs a GPU, and decoding runs on {device.type}: use device=cuda "
+            "on a machine with one, or drop cuda_graph"
+        )
     if not inputs.interactive:
         config = replace(config, prompt=inputs.prompt_text())
     checkpoint_path = find_checkpoint(ckpt, "best", "ckpt")
     model, hparams = load_checkpoint(checkpoint_path)
     inputs.check_model(model, checkpoint_path)
+    if config.cuda_graph and isinstance(model, EncoderDecoder):
+        raise ValueError(
+            f"cuda_graph=true is for GPT checkpoints; {checkpoint_path} is an encoder-decoder: "
+            "drop cuda_graph"
+        )
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])
     model = model.to(device)
     torch.manual_seed(config.seed)

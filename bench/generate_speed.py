@@ -6,7 +6,11 @@
   with its caches (decoder self-attention KV cache + cross-attention keys/values of the
   memory, computed once) and without them.
 
-    python bench/generate_speed.py [--device cuda] [--repeats 5]
+    python bench/generate_speed.py [--device cuda] [--repeats 5] [--cuda-graph]
+
+With --cuda-graph the GPT's cached side decodes through StaticDecoding (model/generation.py):
+on a GPU each step after the first is a replay of one CUDA graph (on the CPU the same steps run
+without a graph, each reading the whole block_size-long cache).
 
 The two sides run alternately, a cached run and then an uncached one, `--repeats` pairs after a
 warm-up of each; the table gives each side's median and the median (min-max) of the per-pair
@@ -57,7 +61,7 @@ def cached_against_uncached(run, repeats: int, device: torch.device) -> dict:
     return {"seconds": seconds, "speedups": speedups, "outputs": outputs}
 
 
-def gpt_speed(device: torch.device, repeats: int) -> tuple[dict, int, bool]:
+def gpt_speed(device: torch.device, repeats: int, cuda_graph: bool) -> tuple[dict, int, bool]:
     """The pairs' figures, the tokens a run makes, and whether the two sides agree (on the first
     255 tokens: past the block the uncached side slides its context one token at a time, while
     the cached side restarts from the last half block)."""
@@ -68,7 +72,10 @@ def gpt_speed(device: torch.device, repeats: int) -> tuple[dict, int, bool]:
     prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
 
     def run(use_cache: bool) -> Tensor:
-        steps = generate(model, prompt, NEW_TOKENS, use_cache=use_cache, greedy=True)
+        static_cache = use_cache and cuda_graph
+        steps = generate(
+            model, prompt, NEW_TOKENS, use_cache=use_cache, static_cache=static_cache, greedy=True
+        )
         return torch.stack(list(steps), dim=1)
 
     pairs = cached_against_uncached(run, repeats, device)
@@ -115,6 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5, help="pairs per model")
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="the GPT's cached side replays a CUDA graph"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -124,8 +134,9 @@ def main() -> None:
         "| same greedy output |"
     )
     print("|---|---|---|---|---|")
-    gpt = gpt_speed(device, args.repeats)
-    print(row(f"GPT 6x384, block 256, {NEW_TOKENS} new tokens", gpt))
+    gpt = gpt_speed(device, args.repeats, args.cuda_graph)
+    graph = ", cached side: StaticDecoding" if args.cuda_graph else ""
+    print(row(f"GPT 6x384, block 256, {NEW_TOKENS} new tokens{graph}", gpt))
     encdec = encdec_speed(device, args.repeats)
     print(row(f"encoder-decoder 3+3x128, {encdec[1]} new tokens", encdec))
 

@@ -29,6 +29,7 @@ class SamplingConfig:
     num_samples: int = 1
     seed: int = 1
     use_cache: bool = True
+    cuda_graph: bool = False  # GPT on a GPU: replay each KV-cache step as one CUDA graph
     attention_plot: str | None = None  # PNG of the attention: GPT self-, encoder-decoder cross-
 
     def __post_init__(self) -> None:
@@ -45,6 +46,11 @@ class SamplingConfig:
         top_p = self.top_p
         check(top_p is None or 0.0 < top_p <= 1.0, "top_p", "in (0, 1] or null", top_p)
         check_int("num_samples", self.num_samples)
+        if self.cuda_graph and not self.use_cache:
+            raise ValueError(
+                "cuda_graph=true replays a KV-cache step: it needs use_cache=true (or drop "
+                "cuda_graph)"
+            )
         if not self.prompt:
             raise ValueError('prompt is empty: give at least one character, e.g. prompt="\\n"')
 
@@ -85,6 +91,7 @@ def stream_samples(
             prompt,
             config.max_new_tokens,
             use_cache=config.use_cache,
+            static_cache=config.cuda_graph,
             vocab_size=tokenizer.vocab_size,
             **config.sampling_kwargs(generator),
         )
