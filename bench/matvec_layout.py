@@ -24,7 +24,7 @@ from runs import alternating_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.layers import ThreadSplitLinear  # noqa: E402
+from model.layers import ThreadSplitLinear, split_one_rows  # noqa: E402
 
 
 def main() -> None:
@@ -43,11 +43,12 @@ def main() -> None:
         layer = ThreadSplitLinear(weight.size(1), weight.size(0), bias=False)
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
         split.append(layer)
-    with torch.inference_mode():
+    threads = torch.get_num_threads()
+    with torch.inference_mode(), split_one_rows(threads):
         if any(layer.blocks_for(rows[layer.in_features]) == 1 for layer in split):
             sys.exit(
                 f"--width {width}: ThreadSplitLinear does not split these matrices on "
-                f"{torch.get_num_threads()} threads; give a larger width"
+                f"{threads} threads; give a larger width"
             )
     sides = {
         "F.linear, (out, in)": lambda: [F.linear(rows[w.size(1)], w) for w in weights],
@@ -55,7 +56,7 @@ def main() -> None:
         "ThreadSplitLinear": lambda: [layer(rows[layer.in_features]) for layer in split],
         "sum, the memory's speed": lambda: [w.sum() for w in weights],
     }
-    with torch.inference_mode():
+    with torch.inference_mode(), split_one_rows(threads):  # as in a decoding step
         times = alternating_seconds(sides, args.repeats)
     gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
     print(f"{len(weights)} matrices, {gigabytes * 1e3:.0f} MB, {torch.get_num_threads()} threads")

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from model.encdec import EncoderDecoder
 from model.gpt import GPT
+from model.layers import split_one_rows
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -74,7 +75,7 @@ def generate(
         decoding = StaticDecoding(model) if static_cache else CachedDecoding(model)
         logits = decoding.start(context)
     else:
-        forward = without_onednn(model, model)
+        forward = decoding_step(model, model)
         logits, _ = forward(context)
     for step in range(max_new_tokens):
         token = next_token(logits[:, -1, :vocab_size], **sampling)
@@ -98,7 +99,7 @@ class CachedDecoding:
 
     def __init__(self, model: GPT):
         self.model = model
-        self.forward = without_onednn(model, model)
+        self.forward = decoding_step(model, model)
 
     def start(self, context: Tensor) -> Tensor:
         self.cache = self.model.new_cache()
@@ -125,7 +126,7 @@ class StaticDecoding:
     """
 
     def __init__(self, model: GPT):
-        self.model = model
+        self.forward = decoding_step(model, model)
         device = next(model.parameters()).device
         self.position = torch.zeros((), dtype=torch.long, device=device)
         self.cache = model.new_static_cache(self.position)
@@ -135,13 +136,13 @@ class StaticDecoding:
     def start(self, context: Tensor) -> Tensor:
         self.position.zero_()
         self.length = 0
-        logits = self.model(context, cache=self.cache)[0]
+        logits = self.forward(context, cache=self.cache)[0]
         self._advance(context.size(1))
         return logits
 
     def step(self, tokens: Tensor) -> Tensor:
         if self.position.device.type != "cuda":
-            logits = self.model(tokens, cache=self.cache)[0]
+            logits = self.forward(tokens, cache=self.cache)[0]
         else:
             if self.graph is None:
                 self._capture(tokens)
@@ -165,20 +166,23 @@ class StaticDecoding:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(self.tokens, cache=self.cache)
+                self.forward(self.tokens, cache=self.cache)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = self.model(self.tokens, cache=self.cache)[0]
+            self.logits = self.forward(self.tokens, cache=self.cache)[0]
 
 
-def without_onednn(model: nn.Module, call: Callable) -> Callable:
-    """call (one of model's methods) run with oneDNN off, for an fp32 model on the CPU. torch
-    sends GELU, among others, through oneDNN there, at a fixed cost of ~8 µs a call that a
-    decoding step's one-token tensors feel: off, cached decoding of nanoGPT's 6x384 shape ran
-    ~9% faster, and the uncached no slower (BENCHMARKS.md). Other dtypes keep it: bf16 matmuls
-    need it.
-    The flag is global, so it is set around each step, never across a yield."""
+def decoding_step(model: nn.Module, call: Callable) -> Callable:
+    """call (one of model's methods) run as a decoding step. For an fp32 model on the CPU, two
+    global settings are made once a step rather than checked by each of its few hundred
+    operations:
+    - oneDNN off: torch sends GELU, among others, through oneDNN there, at a fixed cost of ~8 µs
+      a call that a decoding step's one-token tensors feel (off, cached decoding of nanoGPT's
+      6x384 shape ran ~9% faster, and the uncached no slower: BENCHMARKS.md);
+    - one-row products split over the threads (split_one_rows: ThreadSplitLinear).
+    Other dtypes keep oneDNN (bf16 matmuls need it) and unsplit products. The settings are
+    global, so they are made around each step, never across a yield."""
     weight = next(model.parameters())
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return call
@@ -187,7 +191,8 @@ def without_onednn(model: nn.Module, call: Callable) -> Callable:
         enabled = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = False
         try:
-            return call(*args, **kwargs)
+            with split_one_rows(torch.get_num_threads()):
+                return call(*args, **kwargs)
         finally:
             torch.backends.mkldnn.enabled = enabled
 
@@ -230,7 +235,7 @@ def decode_greedy_or_sample(
     At most max_target_len tokens are produced: the decoder never saw longer targets. Ids in
     `never` (the special tokens other than EOS) are never produced.
     """
-    memory = without_onednn(model, model.encode)(source, source_mask)
+    memory = decoding_step(model, model.encode)(source, source_mask)
     ids = {"bos_id": bos_id, "eos_id": eos_id, "max_new_tokens": max_new_tokens, "never": never}
     return _decode(model, memory, source_mask, **ids, use_cache=use_cache, **sampling)[0]
 
@@ -255,7 +260,7 @@ def _decode(
     cache = model.new_cache(memory.size(1), max_new_tokens) if use_cache else None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     totals = torch.zeros(batch, device=device)
-    decode = without_onednn(model, model.decode)
+    decode = decoding_step(model, model.decode)
     for _ in range(max_new_tokens):
         step_input = tokens[:, -1:] if use_cache else tokens
         logits = _forbid(decode(step_input, memory, source_mask, cache=cache)[:, -1], never)
@@ -297,7 +302,7 @@ def beam_search(
     max_new_tokens = min(max_new_tokens, model.config.max_target_len)
     batch, width = source.size(0), beam_size
     rows = torch.arange(batch, device=source.device).repeat_interleave(width)
-    encoded = without_onednn(model, model.encode)(source, source_mask)
+    encoded = decoding_step(model, model.encode)(source, source_mask)
     memory = encoded[rows]
     mask = source_mask[rows] if source_mask is not None else None
     cache = model.new_cache(source.size(1), max_new_tokens)
@@ -307,7 +312,7 @@ def beam_search(
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
     done = [False] * batch
 
-    decode = without_onednn(model, model.decode)
+    decode = decoding_step(model, model.decode)
     for step in range(max_new_tokens):
         logits = _forbid(decode(tokens[:, -1:], memory, mask, cache=cache)[:, -1], never)
         log_probs = torch.log_softmax(logits.float(), dim=-1)

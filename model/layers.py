@@ -5,15 +5,22 @@ ALiBi act inside attention (on q/k and on the scores), so MultiHeadAttention own
 """
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
 
-def dropout_layer(p: float) -> nn.Module:
-    """Dropout at rate p, or nothing at all when p is 0: a Dropout module that drops nothing still
-    costs a call per use, which token-by-token decoding pays 2 * n_layer + 1 times a token."""
-    return nn.Dropout(p) if p > 0 else nn.Identity()
+def _unchanged(x: Tensor) -> Tensor:
+    return x
+
+
+def dropout_layer(p: float) -> Callable[[Tensor], Tensor]:
+    """Dropout at rate p, or at rate 0 a plain function that returns its input: even a module
+    that does nothing costs a module call per use, which token-by-token decoding pays
+    2 * n_layer + 1 times a token."""
+    return nn.Dropout(p) if p > 0 else _unchanged
 
 
 # A one-row product is split over the threads from this many weights on (512 KB in fp32).
@@ -22,37 +29,50 @@ def dropout_layer(p: float) -> nn.Module:
 # all (bench/decode_split.py, BENCHMARKS.md). A matrix's size stands in for the model's.
 SPLIT_MIN_WEIGHTS = 2**17
 
+# The blocks one-row products are cut into: 1 (nn.Linear's path) but inside split_one_rows.
+_one_row_blocks = 1
+
+
+@contextmanager
+def split_one_rows(blocks: int) -> Iterator[None]:
+    """Inside, ThreadSplitLinear cuts the product of a single row by a large enough weight into
+    `blocks` blocks of rows, one per thread. A decoding step of an fp32 model on the CPU asks
+    for it (model/generation.py's decoding_step): a single row at a time, outside autograd,
+    autocast and compilation, which it knows once a step; checked in each of the step's
+    products instead, those conditions slowed decoding measurably (BENCHMARKS.md)."""
+    global _one_row_blocks
+    before, _one_row_blocks = _one_row_blocks, blocks
+    try:
+        yield
+    finally:
+        _one_row_blocks = before
+
 
 class ThreadSplitLinear(nn.Linear):
-    """nn.Linear whose one-row products are spread over the CPU's threads.
+    """nn.Linear whose one-row products are spread over the CPU's threads in decoding steps.
 
     Decoding one token at batch 1 multiplies one row by every weight matrix. On the 2-core CPU
     where this was measured (an AMD EPYC with AVX2), MKL's matrix-vector product read the
     weights at about half the speed both cores reach together (bench/matvec_layout.py), and no
     faster on two threads than on one. Cut into one block of rows per thread, the weight
     becomes a batch of smaller products, and torch's batched product (bmm) gives each thread a
-    block. Everything else takes nn.Linear's path: training and batches, small matrices, other
-    devices and dtypes, autocast, and torch.compile (which fuses the product itself, and to
-    which the thread count is no tensor). The conditions are ordered so that a training step
-    decides on the first.
+    block. That happens inside split_one_rows only, which decoding steps enter; everything else
+    takes nn.Linear's path (training, batches, evaluation, other devices and dtypes, autocast,
+    torch.compile, which fuses the product itself).
     """
 
     def blocks_for(self, x: Tensor) -> int:
-        """How many blocks of rows x's product is cut into: one per thread for a single fp32
-        row on the CPU, outside autograd, autocast and compilation, and a large enough weight
-        whose rows the threads divide; else 1, nn.Linear's path."""
+        """How many blocks of rows x's product is cut into: split_one_rows's count for a single
+        row and a large enough weight whose rows that count divides; else 1, nn.Linear's path."""
+        blocks = _one_row_blocks
         if (
-            torch.is_grad_enabled()
-            or x.device.type != "cpu"
-            or x.dtype != torch.float32
+            blocks == 1
             or x.numel() != x.size(-1)
+            or self.out_features % blocks
             or self.in_features * self.out_features < SPLIT_MIN_WEIGHTS
-            or torch.is_autocast_enabled("cpu")
-            or torch.compiler.is_compiling()
         ):
             return 1
-        threads = torch.get_num_threads()
-        return 1 if self.out_features % threads else threads
+        return blocks
 
     def forward(self, x: Tensor) -> Tensor:
         blocks = self.blocks_for(x)

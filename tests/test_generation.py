@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import tiny_gpt
+from model import layers
 from model.generation import (
     CachedDecoding,
     StaticDecoding,
@@ -312,16 +313,25 @@ def onednn_during_steps(model, method: str) -> list[bool]:
     return seen
 
 
+@pytest.mark.parametrize("static_cache", [True, False])
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_fp32_decoding_steps_run_without_onednn_and_leave_the_flag_as_it_was(use_cache):
+def test_fp32_decoding_steps_run_as_decoding_steps_and_leave_the_settings_as_they_were(
+    use_cache, static_cache
+):
     model = tiny_gpt(VOCAB, "rope", block_size=8)
-    seen = onednn_during_steps(model, "forward")
+    seen, forward = [], model.forward
+
+    def spy(*args, **kwargs):
+        seen.append((torch.backends.mkldnn.enabled, layers._one_row_blocks))
+        return forward(*args, **kwargs)
+
+    model.forward = spy
     idx = torch.randint(VOCAB, (2, 3))
-    tokens = generate(model, idx, 10, greedy=True, use_cache=use_cache)
-    for _ in tokens:
-        assert torch.backends.mkldnn.enabled  # never off between steps: the flag is global
-    assert seen == [False] * 10  # the prompt, then one step per token but the last
-    assert torch.backends.mkldnn.enabled
+    tokens = generate(model, idx, 10, greedy=True, use_cache=use_cache, static_cache=static_cache)
+    for _ in tokens:  # never set between steps: the settings are global
+        assert torch.backends.mkldnn.enabled and layers._one_row_blocks == 1
+    # the prompt, then one step per token but the last: oneDNN off, products split
+    assert seen == [(False, torch.get_num_threads())] * 10
 
 
 def test_decoding_restores_onednn_after_a_failing_step():

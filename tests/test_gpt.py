@@ -9,8 +9,15 @@ import torch.nn.functional as F
 from helpers import tiny_encdec, tiny_gpt
 from model import layers
 from model.attention import AttentionConfig
+from model.generation import decoding_step
 from model.gpt import GPT, POSITIONS, GPTConfig
-from model.layers import INIT_STD, AddedPositions, ThreadSplitLinear, sinusoidal_encoding
+from model.layers import (
+    INIT_STD,
+    AddedPositions,
+    ThreadSplitLinear,
+    sinusoidal_encoding,
+    split_one_rows,
+)
 
 VOCAB = 23
 
@@ -64,43 +71,41 @@ def aten_ops(run) -> set[str]:
 
 @pytest.mark.parametrize("bias", [True, False])
 @torch.inference_mode()
-def test_one_row_product_is_split_over_the_threads(two_threads, bias):
+def test_one_row_product_is_split_inside_split_one_rows(bias):
     layer = ThreadSplitLinear(384, 4 * 384, bias=bias)
     assert layer.weight.numel() >= layers.SPLIT_MIN_WEIGHTS
     x = torch.randn(1, 1, 384)
-    assert "aten::bmm" in aten_ops(lambda: layer(x))
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    with split_one_rows(2):
+        assert "aten::bmm" in aten_ops(lambda: layer(x))
+        y = layer(x)
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+    assert "aten::bmm" not in aten_ops(lambda: layer(x))  # outside: nn.Linear's path
 
 
 @pytest.mark.parametrize(
-    "rows, out_features, grad",
-    [(2, 4 * 384, False), (1, 4 * 384 - 1, False), (1, 4 * 384, True), (1, 96, False)],
-    ids=["two_rows", "rows_not_divisible_by_threads", "grad_enabled", "small_matrix"],
+    "rows, out_features, blocks",
+    [(2, 4 * 384, 2), (1, 4 * 384 - 1, 2), (1, 96, 2), (1, 4 * 384, 1)],
+    ids=["two_rows", "rows_not_divisible_by_blocks", "small_matrix", "one_block"],
 )
-def test_other_products_take_nn_linears_path(two_threads, rows, out_features, grad):
+@torch.inference_mode()
+def test_other_products_take_nn_linears_path(rows, out_features, blocks):
     layer = ThreadSplitLinear(384, out_features)
     x = torch.randn(rows, 384)
-    with torch.set_grad_enabled(grad):
+    with split_one_rows(blocks):
         ops = aten_ops(lambda: layer(x))
         y = layer(x)
     assert "aten::bmm" not in ops
-    assert y.requires_grad == grad
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
 
 
-@torch.inference_mode()
-def test_one_row_under_autocast_takes_nn_linears_path_and_dtype(two_threads):
-    layer = ThreadSplitLinear(384, 4 * 384)
-    x = torch.randn(1, 384)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ops = aten_ops(lambda: layer(x))
-        y, expected = layer(x), F.linear(x, layer.weight, layer.bias)
-    assert "aten::bmm" not in ops
-    assert y.dtype == expected.dtype == torch.bfloat16
+def test_split_one_rows_restores_the_count_after_a_failure():
+    with pytest.raises(RuntimeError), split_one_rows(2):
+        raise RuntimeError("a failing step")
+    assert "aten::bmm" not in aten_ops(lambda: ThreadSplitLinear(384, 4 * 384)(torch.randn(384)))
 
 
 @torch.inference_mode()
-def test_one_row_product_compiles_in_one_graph(two_threads):
+def test_one_row_product_compiles_in_one_graph():
     layer = ThreadSplitLinear(384, 4 * 384)
     x = torch.randn(1, 384)
     compiled = torch.compile(layer, backend="eager", fullgraph=True)  # a graph break raises
@@ -109,16 +114,17 @@ def test_one_row_product_compiles_in_one_graph(two_threads):
 
 @pytest.mark.parametrize("case", ["learned", "gqa_rope"])
 @torch.inference_mode()
-def test_batch_one_decoding_on_two_threads_matches_full_forward(
+def test_batch_one_decoding_steps_split_and_match_full_forward(
     two_threads, split_small_matrices, case
 ):
     model = tiny_gpt(VOCAB, **CACHE_CASES[case])
+    step = decoding_step(model, model)
     idx = torch.randint(VOCAB, (1, 12))
     full, _ = model(idx)
     cache = model.new_cache()
-    step = model(idx[:, :1], cache=cache)[0]
-    assert "aten::bmm" in aten_ops(lambda: model(idx[:, 1:2], cache=model.new_cache()))
-    steps = [step] + [model(idx[:, t : t + 1], cache=cache)[0] for t in range(1, idx.size(1))]
+    first = step(idx[:, :1], cache=cache)[0]
+    assert "aten::bmm" in aten_ops(lambda: step(idx[:, 1:2], cache=model.new_cache()))
+    steps = [first] + [step(idx[:, t : t + 1], cache=cache)[0] for t in range(1, idx.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
