@@ -37,9 +37,9 @@ _one_row_blocks = 1
 def split_one_rows(blocks: int) -> Iterator[None]:
     """Inside, ThreadSplitLinear cuts the product of a single row by a large enough weight into
     `blocks` blocks of rows, one per thread. A decoding step of an fp32 model on the CPU asks
-    for it (model/generation.py's decoding_step): a single row at a time, outside autograd,
-    autocast and compilation, which it knows once a step; checked in each of the step's
-    products instead, those conditions slowed decoding measurably (BENCHMARKS.md)."""
+    for it (model/generation.py's decoding_step), knowing once a step what each product would
+    otherwise check for itself (device, dtype, autograd), which slowed decoding measurably
+    (bench/decode_overhead.py, BENCHMARKS.md)."""
     global _one_row_blocks
     before, _one_row_blocks = _one_row_blocks, blocks
     try:
