@@ -518,7 +518,10 @@ class MultiHeadAttention(nn.Module):
         """Combine causality, window, padding, ALiBi and the caller's mask into one mask, for
         queries at positions offset.. and keys at k_pos (Tk,) (None: 0..Tk-1). The offset may be
         a 0-d tensor (a static cache's length)."""
-        q_pos = offset + torch.arange(q_len, device=device)
+        if isinstance(offset, Tensor):
+            q_pos = offset + torch.arange(q_len, device=device)
+        else:
+            q_pos = torch.arange(offset, offset + q_len, device=device)
         k_pos = torch.arange(k_len, device=device) if k_pos is None else k_pos
         allowed = None
         if self.causal:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from model.attention import KVCache
 from model.encdec import EncoderDecoder
 from model.gpt import GPT
 from model.layers import split_one_rows
@@ -69,6 +70,8 @@ def generate(
     so that the cost of re-reading the context is paid once every block_size/2 tokens.
     static_cache (with use_cache) decodes through StaticDecoding: on a GPU, CUDA graphs.
     """
+    if static_cache and not use_cache:
+        raise ValueError("static_cache=True is a KV cache: it needs use_cache=True")
     block_size = model.config.block_size
     context = idx[:, -block_size:]
     if use_cache:
@@ -100,6 +103,7 @@ class CachedDecoding:
     def __init__(self, model: GPT):
         self.model = model
         self.forward = decoding_step(model, model)
+        self.cache: list[KVCache] = []
 
     def start(self, context: Tensor) -> Tensor:
         self.cache = self.model.new_cache()
@@ -111,7 +115,7 @@ class CachedDecoding:
     @property
     def length(self) -> int:
         """The positions the caches hold."""
-        return self.cache[0].length
+        return self.cache[0].length if self.cache else 0
 
 
 class StaticDecoding:
@@ -122,18 +126,24 @@ class StaticDecoding:
     each reads all block_size slots), which lets a test set them against CachedDecoding's.
 
     start() runs outside the graph (its length varies), into the same caches, from position 0:
-    slots left from before lie after the queries, where causality hides them.
+    slots left from before lie after the queries, where causality hides them. Each instance
+    captures its own graph, on its first step: generate() makes one per call.
     """
 
     def __init__(self, model: GPT):
         self.forward = decoding_step(model, model)
+        self.max_len = model.config.block_size
         device = next(model.parameters()).device
         self.position = torch.zeros((), dtype=torch.long, device=device)
         self.cache = model.new_static_cache(self.position)
         self.length = 0  # the host's copy of position, so that it never reads the device's
+        self.on_gpu = device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.tokens: Tensor | None = None  # the graph's input (B, 1) and output (B, 1, V)
+        self.logits: Tensor | None = None
 
     def start(self, context: Tensor) -> Tensor:
+        self._check_room(context.size(1), from_position=0)
         self.position.zero_()
         self.length = 0
         logits = self.forward(context, cache=self.cache)[0]
@@ -141,16 +151,33 @@ class StaticDecoding:
         return logits
 
     def step(self, tokens: Tensor) -> Tensor:
-        if self.position.device.type != "cuda":
+        """The logits (B, 1, V) after tokens (B, 1): a tensor of their own, which the next step
+        leaves as it is."""
+        self._check_room(1, from_position=self.length)
+        if not self.on_gpu:
             logits = self.forward(tokens, cache=self.cache)[0]
         else:
             if self.graph is None:
                 self._capture(tokens)
+            if tokens.shape != self.tokens.shape:
+                raise ValueError(
+                    f"a step of {tuple(tokens.shape)} tokens, but the graph was captured for "
+                    f"{tuple(self.tokens.shape)}: make a StaticDecoding per batch size"
+                )
             self.tokens.copy_(tokens)
             self.graph.replay()
-            logits = self.logits
+            logits = self.logits.clone()  # the next replay overwrites the graph's output
         self._advance(1)
         return logits
+
+    def _check_room(self, positions: int, from_position: int) -> None:
+        """The host knows the length, so an overrun fails here, not as a device-side assert that
+        would leave the GPU unusable."""
+        if from_position + positions > self.max_len:
+            raise ValueError(
+                f"the static cache holds {self.max_len} positions (model.block_size), asked for "
+                f"{from_position + positions}: start again from a shorter context"
+            )
 
     def _advance(self, positions: int) -> None:
         self.position += positions
@@ -162,15 +189,16 @@ class StaticDecoding:
         libraries' handles and workspaces outside the capture; they write the same position
         that the step then writes again."""
         self.tokens = tokens.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.forward(self.tokens, cache=self.cache)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.forward(self.tokens, cache=self.cache)[0]
+        with torch.cuda.device(self.position.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.forward(self.tokens, cache=self.cache)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.forward(self.tokens, cache=self.cache)[0]
 
 
 def decoding_step(model: nn.Module, call: Callable) -> Callable:

@@ -29,7 +29,8 @@ def dropout_layer(p: float) -> Callable[[Tensor], Tensor]:
 # all (bench/decode_split.py, BENCHMARKS.md). A matrix's size stands in for the model's.
 SPLIT_MIN_WEIGHTS = 2**17
 
-# The blocks one-row products are cut into: 1 (nn.Linear's path) but inside split_one_rows.
+# The blocks one-row products are cut into: 1 (nn.Linear's path) but inside split_one_rows. A
+# process-wide setting, as torch's own oneDNN flag that decoding_step sets beside it.
 _one_row_blocks = 1
 
 
@@ -56,9 +57,9 @@ class ThreadSplitLinear(nn.Linear):
     weights at about half the speed both cores reach together (bench/matvec_layout.py), and no
     faster on two threads than on one. Cut into one block of rows per thread, the weight
     becomes a batch of smaller products, and torch's batched product (bmm) gives each thread a
-    block. That happens inside split_one_rows only, which decoding steps enter; everything else
-    takes nn.Linear's path (training, batches, evaluation, other devices and dtypes, autocast,
-    torch.compile, which fuses the product itself).
+    block. That happens inside split_one_rows only, which decoding_step enters for fp32 models
+    on the CPU, and only for single rows and large enough weights; everything else takes
+    nn.Linear's path (training, batches, evaluation, other devices and dtypes).
     """
 
     def blocks_for(self, x: Tensor) -> int:
@@ -128,7 +129,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         """Rotate x (B, H, T, D) as if its first position were `offset` (an int or a 0-d tensor)."""
-        positions = offset + torch.arange(x.size(-2), device=x.device, dtype=torch.float32)
+        length, device = x.size(-2), x.device
+        if isinstance(offset, Tensor):
+            positions = offset + torch.arange(length, device=device, dtype=torch.float32)
+        else:  # one operation, not two: decoding calls this twice a layer for every token
+            positions = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
         angles = torch.outer(positions, self.inv_freq)
         cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(x.dtype)
         sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(x.dtype)

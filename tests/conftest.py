@@ -28,6 +28,15 @@ for variable, folder in CACHE_VARIABLES.items():
 torch.set_num_threads(1)
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads (this file runs the tests on one), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def same_random_state():
     """Every test starts from seed 0, so none depends on what an earlier one drew."""

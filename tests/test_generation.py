@@ -138,16 +138,16 @@ def test_greedy_with_and_without_cache_agree_within_block_size(position, attenti
     assert torch.equal(cached, run(model, idx, 12, greedy=True, static_cache=True))
 
 
-@pytest.mark.parametrize(
-    "position, attention",
-    [
-        ("learned", {}),
-        ("sinusoidal", {"n_kv_head": 2}),
-        ("rope", {"window": 3}),
-        ("alibi", {}),
-        ("none", {"window": 5}),
-    ],
-)
+STATIC_CASES = [
+    ("learned", {}),
+    ("sinusoidal", {"n_kv_head": 2}),
+    ("rope", {"window": 3}),
+    ("alibi", {}),
+    ("none", {"window": 5}),
+]
+
+
+@pytest.mark.parametrize("position, attention", STATIC_CASES)
 @torch.inference_mode()
 def test_static_cache_steps_give_the_kv_cache_logits_across_a_restart(position, attention):
     model = tiny_gpt(VOCAB, position, block_size=8, **attention)
@@ -167,26 +167,58 @@ def test_static_cache_steps_give_the_kv_cache_logits_across_a_restart(position, 
         torch.testing.assert_close(static_cache, kv_cache, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @torch.inference_mode()
-def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device():
-    model = tiny_gpt(VOCAB, "rope", block_size=16).cuda()
+def test_static_decoding_refuses_to_run_past_its_block():
+    static = StaticDecoding(tiny_gpt(VOCAB, block_size=8))
+    static.start(torch.randint(VOCAB, (1, 8)))
+    with pytest.raises(ValueError, match=r"holds 8 positions \(model.block_size\), asked for 9"):
+        static.step(torch.randint(VOCAB, (1, 1)))
+    with pytest.raises(ValueError, match="asked for 9"):
+        static.start(torch.randint(VOCAB, (1, 9)))
+    assert static.length == 8  # a refused call changes nothing
+
+
+def test_a_static_cache_needs_the_cache():
+    steps = generate(
+        tiny_gpt(VOCAB),
+        torch.zeros((1, 1), dtype=torch.long),
+        3,
+        use_cache=False,
+        static_cache=True,
+    )
+    with pytest.raises(ValueError, match="static_cache=True is a KV cache: it needs use_cache"):
+        next(steps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("position, attention", STATIC_CASES)
+@torch.inference_mode()
+def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device(
+    position, attention
+):
+    model = tiny_gpt(VOCAB, position, block_size=8, **attention).cuda()
     cached, static = CachedDecoding(model), StaticDecoding(model)
-    context = torch.randint(VOCAB, (2, 5), device="cuda")
-    pairs = [(cached.start(context), static.start(context))]
-    tokens = torch.randint(VOCAB, (2, 1), device="cuda")
-    pairs.append((cached.step(tokens), static.step(tokens)))  # captures the graph
-    assert static.graph is not None
-    steps = []
-    torch.cuda.set_sync_debug_mode("error")  # a replay that read a number back would raise
-    try:
-        for _ in range(8):
-            tokens = static.logits[:, -1].argmax(-1, keepdim=True)
-            steps.append((tokens, static.step(tokens).clone()))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    pairs += [(cached.step(tokens), logits) for tokens, logits in steps]
-    for kv_cache, static_cache in pairs:
+    logits = []
+    # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before, which
+    # the graph captured in the first run then reads past
+    for context in (torch.randint(VOCAB, (2, 5)), torch.randint(VOCAB, (2, 4))):
+        context = context.cuda()
+        logits.append((cached.start(context), static.start(context)))
+        tokens = torch.randint(VOCAB, (2, 1), device="cuda")
+        logits.append((cached.step(tokens), static.step(tokens)))  # the first captures
+        assert static.graph is not None
+        steps = []
+        torch.cuda.set_sync_debug_mode("error")  # a replay that read a number back would raise
+        try:
+            for _ in range(2):
+                tokens = logits[-1][1][:, -1].argmax(-1, keepdim=True)
+                steps.append((tokens, static.step(tokens)))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for tokens, step_logits in steps:
+            logits.append((cached.step(tokens), step_logits))
+    assert static.length == cached.length == 4 + 3
+    for kv_cache, static_cache in logits:
         torch.testing.assert_close(static_cache, kv_cache, atol=1e-3, rtol=1e-3)
 
 
@@ -313,10 +345,9 @@ def onednn_during_steps(model, method: str) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize("static_cache", [True, False])
-@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("use_cache, static_cache", [(True, False), (True, True), (False, False)])
 def test_fp32_decoding_steps_run_as_decoding_steps_and_leave_the_settings_as_they_were(
-    use_cache, static_cache
+    two_threads, use_cache, static_cache
 ):
     model = tiny_gpt(VOCAB, "rope", block_size=8)
     seen, forward = [], model.forward
@@ -330,8 +361,8 @@ def test_fp32_decoding_steps_run_as_decoding_steps_and_leave_the_settings_as_the
     tokens = generate(model, idx, 10, greedy=True, use_cache=use_cache, static_cache=static_cache)
     for _ in tokens:  # never set between steps: the settings are global
         assert torch.backends.mkldnn.enabled and layers._one_row_blocks == 1
-    # the prompt, then one step per token but the last: oneDNN off, products split
-    assert seen == [(False, torch.get_num_threads())] * 10
+    # the prompt, then one step per token but the last: oneDNN off, products split in two
+    assert seen == [(False, 2)] * 10
 
 
 def test_decoding_restores_onednn_after_a_failing_step():

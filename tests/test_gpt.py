@@ -47,15 +47,6 @@ def test_kv_cache_decoding_matches_full_forward(case, prompt_len):
 
 
 @pytest.fixture
-def two_threads():
-    """Two intra-op threads (conftest runs the tests on one), restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def split_small_matrices(monkeypatch):
     """One-row products split over the threads whatever the matrix's size, so that tests can
     check the split path on the tiny models."""
@@ -105,11 +96,13 @@ def test_split_one_rows_restores_the_count_after_a_failure():
 
 
 @torch.inference_mode()
-def test_one_row_product_compiles_in_one_graph():
+def test_one_row_product_compiles_split_in_one_graph():
     layer = ThreadSplitLinear(384, 4 * 384)
     x = torch.randn(1, 384)
     compiled = torch.compile(layer, backend="eager", fullgraph=True)  # a graph break raises
-    torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias))
+    with split_one_rows(2):
+        assert "aten::bmm" in aten_ops(lambda: compiled(x))
+        torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("case", ["learned", "gqa_rope"])
