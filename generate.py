@@ -213,11 +213,7 @@ def run(cfg: DictConfig) -> None:
         attention_plot=options["attention_plot"],
     )
     config = SamplingConfig(**options)  # bad options fail before anything is loaded
-    if config.cuda_graph and device.type != "cuda":
-        raise ValueError(
-            f"cuda_graph=true needs a GPU, and decoding runs on {device.type}: use device=cuda "
-            "on a machine with one, or drop cuda_graph"
-        )
+    config.check_device(device)
     if not inputs.interactive:
         config = replace(config, prompt=inputs.prompt_text())
     checkpoint_path = find_checkpoint(ckpt, "best", "ckpt")

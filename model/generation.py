@@ -208,7 +208,9 @@ def decoding_step(model: nn.Module, call: Callable) -> Callable:
     - oneDNN off: torch sends GELU, among others, through oneDNN there, at a fixed cost of ~8 µs
       a call that a decoding step's one-token tensors feel (off, cached decoding of nanoGPT's
       6x384 shape ran ~9% faster, and the uncached no slower: BENCHMARKS.md);
-    - one-row products split over the threads (split_one_rows: ThreadSplitLinear).
+    - one-row products split over the threads (split_one_rows: ThreadSplitLinear), but under
+      autocast.
+    Its callers run in inference mode, so no step needs autograd.
     Other dtypes keep oneDNN (bf16 matmuls need it) and unsplit products. The settings are
     global, so they are made around each step, never across a yield."""
     weight = next(model.parameters())
@@ -218,8 +220,10 @@ def decoding_step(model: nn.Module, call: Callable) -> Callable:
     def step(*args, **kwargs):
         enabled = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = False
+        # under autocast the products run in bf16, as nn.Linear's path would give them
+        blocks = 1 if torch.is_autocast_enabled("cpu") else torch.get_num_threads()
         try:
-            with split_one_rows(torch.get_num_threads()):
+            with split_one_rows(blocks):
                 return call(*args, **kwargs)
         finally:
             torch.backends.mkldnn.enabled = enabled

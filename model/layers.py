@@ -39,8 +39,8 @@ def split_one_rows(blocks: int) -> Iterator[None]:
     """Inside, ThreadSplitLinear cuts the product of a single row by a large enough weight into
     `blocks` blocks of rows, one per thread. A decoding step of an fp32 model on the CPU asks
     for it (model/generation.py's decoding_step), knowing once a step what each product would
-    otherwise check for itself (device, dtype, autograd), which slowed decoding measurably
-    (bench/decode_overhead.py, BENCHMARKS.md)."""
+    otherwise check for itself (device, dtype, autocast; decoding runs in inference mode),
+    which slowed decoding measurably (bench/decode_overhead.py, BENCHMARKS.md)."""
     global _one_row_blocks
     before, _one_row_blocks = _one_row_blocks, blocks
     try:

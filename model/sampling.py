@@ -54,6 +54,15 @@ class SamplingConfig:
         if not self.prompt:
             raise ValueError('prompt is empty: give at least one character, e.g. prompt="\\n"')
 
+    def check_device(self, device: torch.device) -> None:
+        """cuda_graph=true decodes on a GPU only: on the CPU each step would read the whole
+        block instead of the positions so far."""
+        if self.cuda_graph and device.type != "cuda":
+            raise ValueError(
+                f"cuda_graph=true needs a GPU, and decoding runs on {device.type}: use "
+                "device=cuda on a machine with one, or drop cuda_graph"
+            )
+
     def sampling_kwargs(self, generator: torch.Generator) -> dict:
         if self.decoding != "sample":
             return {"greedy": True}
@@ -79,6 +88,7 @@ def stream_samples(
     """Print num_samples continuations of the prompt, token by token; return their ids."""
     if config.decoding == "beam":
         raise ValueError("decoding=beam is for encoder-decoder checkpoints: use sample or greedy")
+    config.check_device(device)
     prompt = torch.tensor([encode(tokenizer, config.prompt, "prompt")], device=device)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     samples = []

@@ -198,7 +198,7 @@ def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device
 ):
     model = tiny_gpt(VOCAB, position, block_size=8, **attention).cuda()
     cached, static = CachedDecoding(model), StaticDecoding(model)
-    logits = []
+    logits, graph = [], None
     # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before, which
     # the graph captured in the first run then reads past
     for context in (torch.randint(VOCAB, (2, 5)), torch.randint(VOCAB, (2, 4))):
@@ -206,15 +206,17 @@ def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device
         logits.append((cached.start(context), static.start(context)))
         tokens = torch.randint(VOCAB, (2, 1), device="cuda")
         logits.append((cached.step(tokens), static.step(tokens)))  # the first captures
-        assert static.graph is not None
-        steps = []
+        graph = graph or static.graph
+        assert static.graph is graph is not None  # the restart replays the same graph
+        steps, before = [], torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")  # a replay that read a number back would raise
         try:
             for _ in range(2):
-                tokens = logits[-1][1][:, -1].argmax(-1, keepdim=True)
+                last = steps[-1][1] if steps else logits[-1][1]
+                tokens = last[:, -1].argmax(-1, keepdim=True)  # greedy, on the device
                 steps.append((tokens, static.step(tokens)))
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.set_sync_debug_mode(before)
         for tokens, step_logits in steps:
             logits.append((cached.step(tokens), step_logits))
     assert static.length == cached.length == 4 + 3
@@ -363,6 +365,20 @@ def test_fp32_decoding_steps_run_as_decoding_steps_and_leave_the_settings_as_the
         assert torch.backends.mkldnn.enabled and layers._one_row_blocks == 1
     # the prompt, then one step per token but the last: oneDNN off, products split in two
     assert seen == [(False, 2)] * 10
+
+
+def test_decoding_under_autocast_leaves_products_unsplit(two_threads):
+    model = tiny_gpt(VOCAB, "rope", block_size=8)
+    seen, forward = [], model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(layers._one_row_blocks)
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run(model, torch.randint(VOCAB, (1, 3)), 3, greedy=True)
+    assert seen == [1, 1, 1]
 
 
 def test_decoding_restores_onednn_after_a_failing_step():
