@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from errors import check_field_types, check_int, is_number
-from model.layers import RotaryEmbedding, ThreadSplitLinear, alibi_bias, alibi_slopes, dropout_layer
+from model.layers import (
+    RotaryEmbedding,
+    ThreadSplitLinear,
+    alibi_bias,
+    alibi_slopes,
+    dropout_layer,
+    position_range,
+)
 
 
 def check_key_padding_mask(key_padding_mask: Tensor | None, k_len: int) -> None:
@@ -383,7 +390,7 @@ class StaticKVCache:
         if self._k is None:
             self._k = k.new_zeros(*k.shape[:-2], self.max_len, k.size(-1))
             self._v = v.new_zeros(*v.shape[:-2], self.max_len, v.size(-1))
-        slots = self.length + torch.arange(k.size(-2), device=k.device)
+        slots = position_range(self.length, k.size(-2), k.device)
         self._k.index_copy_(-2, slots, k)
         self._v.index_copy_(-2, slots, v)
         return self._k, self._v, None
@@ -518,10 +525,7 @@ class MultiHeadAttention(nn.Module):
         """Combine causality, window, padding, ALiBi and the caller's mask into one mask, for
         queries at positions offset.. and keys at k_pos (Tk,) (None: 0..Tk-1). The offset may be
         a 0-d tensor (a static cache's length)."""
-        if isinstance(offset, Tensor):
-            q_pos = offset + torch.arange(q_len, device=device)
-        else:
-            q_pos = torch.arange(offset, offset + q_len, device=device)
+        q_pos = position_range(offset, q_len, device)
         k_pos = torch.arange(k_len, device=device) if k_pos is None else k_pos
         allowed = None
         if self.causal:

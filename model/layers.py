@@ -113,6 +113,18 @@ def sinusoidal_encoding(max_len: int, d_model: int) -> Tensor:
     return table
 
 
+def position_range(
+    offset: int | Tensor, length: int, device: torch.device, dtype: torch.dtype = torch.long
+) -> Tensor:
+    """The positions offset .. offset + length - 1. The offset is an int, or a 0-d tensor on the
+    device (a StaticKVCache's length), which only tensor arithmetic may touch: anything else
+    would make the host wait for the device. From an int, one operation rather than two:
+    decoding asks for these a few times a layer for every token."""
+    if isinstance(offset, Tensor):
+        return offset + torch.arange(length, device=device, dtype=dtype)
+    return torch.arange(offset, offset + length, device=device, dtype=dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al.): rotates channel pairs of q and k by position.
 
@@ -129,12 +141,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         """Rotate x (B, H, T, D) as if its first position were `offset` (an int or a 0-d tensor)."""
-        length, device = x.size(-2), x.device
-        if isinstance(offset, Tensor):
-            positions = offset + torch.arange(length, device=device, dtype=torch.float32)
-        else:  # one operation, not two: decoding calls this twice a layer for every token
-            positions = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq)
+        pos = position_range(offset, x.size(-2), x.device, torch.float32)
+        angles = torch.outer(pos, self.inv_freq)
         cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(x.dtype)
         sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(x.dtype)
         first, second = x.chunk(2, dim=-1)
@@ -197,7 +205,7 @@ class AddedPositions(nn.Module):
         if self.kind not in ("learned", "sinusoidal"):
             return x
         if isinstance(offset, Tensor):
-            return x + self.weight[offset + torch.arange(x.size(1), device=x.device)]
+            return x + self.weight[position_range(offset, x.size(1), x.device)]
         end = offset + x.size(1)
         if end > self.max_len:
             raise ValueError(
