@@ -1,7 +1,7 @@
-"""Seconds from launching `python train.py` to the end of its first optimizer step, and to the
-end of the whole process, with a warm data cache, for this checkout and another one (say an
-older commit: `git worktree add /tmp/old <commit>`), run alternately so that both see the same
-machine.
+"""Seconds from launching `python train.py` to the end of its first optimizer step, to the end
+of the whole process, and spent on the training thread in checkpoints, with a warm data cache,
+for this checkout and another one (say an older commit: `git worktree add /tmp/old <commit>`),
+run alternately so that both see the same machine.
 
     python bench/first_step.py --other /tmp/old [--repeats 5] [-- overrides...]
 
@@ -12,8 +12,9 @@ to this one.
 Each run is the default config (W&B offline, the default model and data) stopped after a few
 steps: its own `seconds_to_first_step` (summary.json, counted from process start), and the wall
 time of the whole process, which adds the few steps, the attention maps of the last one, the
-end-of-run printout and the exit. Both checkouts share one data cache, warmed by a run of each
-first.
+end-of-run printout and the exit; and its `checkpoint_seconds`. Overrides such as
+`trainer.max_steps=200 trainer.val_check_interval=50` make a run whose checkpoints weigh. Both
+checkouts share one data cache, warmed by a run of each first.
 """
 
 import argparse
@@ -42,7 +43,11 @@ def start_and_end_seconds(
     )
     whole = time.perf_counter() - started
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"first step": summary["seconds_to_first_step"], "whole process": whole}
+    return {
+        "first step": summary["seconds_to_first_step"],
+        "whole process": whole,
+        "checkpoints (training thread)": summary["checkpoint_seconds"],
+    }
 
 
 def main() -> None:

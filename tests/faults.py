@@ -18,13 +18,14 @@ import torch
 
 class SignalAt(L.Callback):
     """Send this process the signal `signum` before step `step + 1`, once `step` steps are
-    done (so after any checkpoint written at step `step`)."""
+    done and any checkpoint of step `step` is on disk (they are written beside training)."""
 
     def __init__(self, step: int, signum: int) -> None:
         self.step, self.signum = step, signum
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.ckpt_path is None and trainer.global_step == self.step:
+            trainer.strategy.checkpoint_io.wait()
             os.kill(os.getpid(), self.signum)
 
 

@@ -1,4 +1,5 @@
-"""Checkpoint files: a write killed at any moment leaves the previous checkpoint whole, loading
+"""Checkpoint files: a write killed at any moment leaves the previous checkpoint whole, writes
+in the background keep the state of the moment they were asked for and their order, loading
 never runs pickled code, and compiled and plain models share one state-dict layout."""
 
 import os
@@ -14,7 +15,7 @@ import torch
 from helpers import ROOT, small_disk, tiny_gpt_config
 from model.checkpoint import load_safely, model_state
 from model.gpt import GPT
-from training.checkpoint_io import partial_files, save_durably
+from training.checkpoint_io import DurableCheckpointIO, partial_files, save_durably
 
 # Saves a new checkpoint over argv[1], with a fault that kills the process (SIGKILL) midway:
 # "fsync" after the whole file is written but before its rename, "write" once half of its bytes
@@ -131,3 +132,45 @@ def test_a_full_disk_while_checkpointing_is_one_error_and_keeps_the_previous_che
     assert message.startswith(f"no space left on the disk of {path.parent} to write last.ckpt")
     assert "\n" not in message
     assert step == 1 and remaining == ["last.ckpt"]  # the previous one, and no half-written file
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_state_of_its_save(tmp_path):
+    checkpoint_io = DurableCheckpointIO()
+    weights = torch.ones(1 << 22)  # 16 MB: its write is still under way when the save returns
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    checkpoint_io.save_checkpoint({"step": 1, "weights": weights}, path)
+    weights.add_(1)  # the next optimizer step, in place, while the file is written
+    checkpoint_io.teardown()
+    assert torch.equal(load_safely(path)["weights"], torch.ones(1 << 22))
+    assert checkpoint_io.write_seconds > 0
+
+
+def test_background_writes_links_and_removals_keep_the_order_they_were_asked_in(tmp_path):
+    checkpoint_io = DurableCheckpointIO()
+    folder = tmp_path / "checkpoints"
+    first, second, last = folder / "step=1.ckpt", folder / "step=2.ckpt", folder / "last.ckpt"
+    checkpoint_io.save_checkpoint({"step": 1, "weights": torch.ones(1 << 22)}, first)
+    checkpoint_io.link(first, last)  # asked for while first is being written
+    checkpoint_io.save_checkpoint({"step": 2, "weights": torch.zeros(1 << 22)}, second)
+    checkpoint_io.link(second, last)
+    checkpoint_io.remove_checkpoint(first)
+    checkpoint_io.wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step=2.ckpt"]
+    assert last.stat().st_ino == second.stat().st_ino and load_safely(last)["step"] == 2
+
+
+def test_a_full_disk_in_a_background_write_fails_the_next_save_and_keeps_the_last_checkpoint(
+    tmp_path,
+):
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        checkpoint_io = DurableCheckpointIO()
+        path = disk / "checkpoints" / "last.ckpt"
+        checkpoint_io.save_checkpoint({"step": 1, "weights": torch.ones(1 << 10)}, path)
+        checkpoint_io.save_checkpoint({"step": 2, "weights": torch.ones(1 << 18)}, path)
+        with pytest.raises(ValueError) as error:  # the write of step 2 failed meanwhile
+            checkpoint_io.save_checkpoint({"step": 3, "weights": torch.ones(1 << 10)}, path)
+        checkpoint_io.teardown()
+        remaining = sorted(p.name for p in path.parent.iterdir())
+        step = load_safely(path)["step"]
+    assert str(error.value).startswith(f"no space left on the disk of {path.parent}")
+    assert step == 1 and remaining == ["last.ckpt"]

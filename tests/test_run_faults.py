@@ -61,7 +61,8 @@ def test_a_best_checkpoint_and_last_ckpt_of_one_step_are_one_file_written_once(t
     best, last = run_dir / "checkpoints" / "best-step2.ckpt", run_dir / "checkpoints" / "last.ckpt"
     assert best.samefile(last) and best.stat().st_nlink == 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert 0 < summary["checkpoint_seconds"] < summary["wall_seconds"]
+    assert 0 < summary["checkpoint_seconds"] < summary["wall_seconds"]  # the training thread's
+    assert 0 < summary["checkpoint_write_seconds"] < summary["wall_seconds"]  # the writer's
 
     # Resumed from its checkpoints/ folder, the run continues in its own directory.
     resumed = run_training(cache, f"ckpt_path={run_dir / 'checkpoints'}", "trainer.max_steps=4")

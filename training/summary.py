@@ -91,7 +91,8 @@ def run_summary(trainer: L.Trainer | None, started: float, status: str, error: s
         summary["attention_maps_drawing_seconds"] = maps.drawing_seconds  # in their own process
         summary["attention_maps_skipped"] = maps.skipped_figures  # the drawer was still busy
     if isinstance(trainer.strategy.checkpoint_io, DurableCheckpointIO):
-        summary["checkpoint_seconds"] = trainer.strategy.checkpoint_io.seconds
+        summary["checkpoint_seconds"] = trainer.strategy.checkpoint_io.seconds  # training's
+        summary["checkpoint_write_seconds"] = trainer.strategy.checkpoint_io.write_seconds
     return summary
 
 
