@@ -47,7 +47,8 @@ from training.precision import cpu_capabilities, fast_precision  # noqa: E402
 
 # nanoGPT's README recipes, as its command-line flags (on top of its shakespeare_char config)
 # and as ours. Both: AdamW (weight decay 0.1 on matrices), beta2 0.99, warm-up 100, cosine to
-# lr/10, gradient clipping at 1, tied embeddings, learned positions, no biases, GELU MLP.
+# lr/10, gradient clipping at 1, tied embeddings, learned positions, no biases, GELU MLP, one
+# dropout rate on embeddings, attention weights and residual branches.
 RECIPES = {
     "cpu": {
         "shape": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12},
@@ -135,7 +136,9 @@ def our_command(
         f"model.attention.n_head={shape['n_head']}",
         f"model.block_size={shape['block_size']}",
         "model.bias=false",
+        # nanoGPT's one dropout also drops attention weights; ours has a separate knob for those
         f"model.dropout={recipe['dropout']}",
+        f"model.attention.dropout={recipe['dropout']}",
         "optim.lr=1e-3",
         "optim.warmup_steps=100",
         "optim.min_lr_ratio=0.1",

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, as one script for a short lease on a GPU machine: the CUDA tests,
+# decoding speed with and without CUDA graphs, and nanoGPT's GPU recipe side by side with ours
+# (attention maps at our default cadence). Each step's output goes to OUT_DIR/STEP.log; the last
+# step gets whatever is left of SECONDS, so that a slow run loses only its own tail.
+#
+#   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
+#
+# STEPS: the nanoGPT recipe's steps (default 5000, its own); SECONDS: the whole script's budget
+# (default 1800).
+set -u
+nanogpt=$1 text=$2 out=$3 steps=${4:-5000} budget=${5:-1800}
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+# step LIMIT NAME COMMAND...: COMMAND under a time limit, its output shown and kept in NAME.log
+step() {
+    local limit=$1 name=$2
+    shift 2
+    echo "== $name, at most ${limit}s, from $(date +%T)"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    echo "== $name: exit ${PIPESTATUS[0]} after ${SECONDS}s in all"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+"$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+step 150 tests "$python" -m pytest -q -n 4 tests/test_generation.py tests/test_guard.py \
+    tests/test_precision.py
+step 100 decode "$python" bench/generate_speed.py --device cuda --repeats 3
+step 100 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --repeats 3 --cuda-graph
+step $((budget - SECONDS - 10)) vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
+    --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" \
+    --ours "callbacks.attention_maps.every_n_steps=500"
+# our run's own accounting: seconds in attention maps, checkpoints, to the first step
+cp /tmp/vs_nanogpt-*/ours-0/summary.json "$out/ours_summary.json" 2>/dev/null
