@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, as one script for a short lease on a GPU machine: the CUDA tests,
-# decoding speed with and without CUDA graphs, and nanoGPT's GPU recipe side by side with ours
-# (attention maps at our default cadence). Each step's output goes to OUT_DIR/STEP.log; the last
+# decoding speed with and without CUDA graphs, a profile of a compiled run's start-up, and
+# nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence). Each step's output goes to OUT_DIR/STEP.log; the last
 # step gets whatever is left of SECONDS, so that a slow run loses only its own tail.
 #
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
@@ -28,6 +28,15 @@ step 150 tests "$python" -m pytest -q -n 4 tests/test_generation.py tests/test_g
     tests/test_precision.py
 step 100 decode "$python" bench/generate_speed.py --device cuda --repeats 3
 step 100 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --repeats 3 --cuda-graph
+# Where the start-up goes (the H200 took 25 s to start fitting): a profile of a short compiled
+# run of nanoGPT's GPU shape, after a run that warms the data and compile caches (read it with
+# python -c "import pstats; pstats.Stats('startup.prof').sort_stats('cumulative').print_stats(60)")
+startup=(data=text_files "data.paths=[$text/train.txt]" "data.val_paths=[$text/val.txt]"
+    model.n_layer=6 model.n_embd=384 model.attention.n_head=6 model.block_size=256
+    data.batch_size=64 trainer=gpu compile=true trainer.max_steps=2 trainer.val_check_interval=2)
+step 150 startup_warm "$python" train.py "${startup[@]}" hydra.run.dir=/tmp/startup-warm
+step 150 startup "$python" -m cProfile -o "$out/startup.prof" train.py "${startup[@]}" \
+    hydra.run.dir=/tmp/startup
 step $((budget - SECONDS - 10)) vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
     --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" \
     --ours "callbacks.attention_maps.every_n_steps=500"
