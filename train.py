@@ -73,7 +73,7 @@ from training.sweep import (
     sqlite_url,
     trial_pruning,
 )
-from training.wandb_run import run_names
+from training.wandb_run import WandbLogger, run_names
 
 OmegaConf.register_new_resolver("sqlite_url", sqlite_url)
 OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir)
@@ -169,11 +169,14 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
         )
         for c in (plan.cfg.get("logger") or {}).values()
     ]
+    uploads = any(
+        isinstance(logger, WandbLogger) and logger.uploads_checkpoints for logger in loggers
+    )
     trainer = instantiate_checked(
         plan.cfg.trainer,
         callbacks=[*callbacks, ResumeState(), stop, *trial_pruning()],
         logger=loggers or False,
-        plugins=[DurableCheckpointIO()],
+        plugins=[DurableCheckpointIO(background=not uploads)],
     )
     check_not_ddp_in_sweep(trainer.world_size)
     finish_maps_later(callbacks)  # after the end-of-run printout: see fit()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, as one script for a short lease on a GPU machine: the CUDA tests,
-# decoding speed with and without CUDA graphs, a profile of a compiled run's start-up, and
-# nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence). Each step's output goes to OUT_DIR/STEP.log; the last
-# step gets whatever is left of SECONDS, so that a slow run loses only its own tail.
+# Every check that needs a GPU, as one script for a short lease on a GPU machine: the CUDA
+# tests, decoding speed with and without CUDA graphs, a profile of a compiled run's start-up,
+# and nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence). Each
+# step's output goes to OUT_DIR/STEP.log; the last step gets whatever is left of SECONDS (at
+# least 120), so that a slow run loses only its own tail.
 #
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
 #
@@ -34,11 +35,17 @@ step 100 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --rep
 startup=(data=text_files "data.paths=[$text/train.txt]" "data.val_paths=[$text/val.txt]"
     model.n_layer=6 model.n_embd=384 model.attention.n_head=6 model.block_size=256
     data.batch_size=64 trainer=gpu compile=true trainer.max_steps=2 trainer.val_check_interval=2)
-step 150 startup_warm "$python" train.py "${startup[@]}" hydra.run.dir=/tmp/startup-warm
+step 150 startup_warm "$python" train.py "${startup[@]}" "hydra.run.dir=$(mktemp -du)"
 step 150 startup "$python" -m cProfile -o "$out/startup.prof" train.py "${startup[@]}" \
-    hydra.run.dir=/tmp/startup
-step $((budget - SECONDS - 10)) vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
+    "hydra.run.dir=$(mktemp -du)"
+left=$((budget - SECONDS - 10))
+if ((left < 120)); then
+    echo "== only ${left}s of the ${budget}s left for vs_nanogpt: give more SECONDS" >&2
+    left=120
+fi
+step "$left" vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
     --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" \
     --ours "callbacks.attention_maps.every_n_steps=500"
 # our run's own accounting: seconds in attention maps, checkpoints, to the first step
-cp /tmp/vs_nanogpt-*/ours-0/summary.json "$out/ours_summary.json" 2>/dev/null
+scratch=$(sed -n 's/.*; scratch //p' "$out/vs_nanogpt.log")
+cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"

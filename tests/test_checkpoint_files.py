@@ -159,18 +159,56 @@ def test_background_writes_links_and_removals_keep_the_order_they_were_asked_in(
     assert last.stat().st_ino == second.stat().st_ino and load_safely(last)["step"] == 2
 
 
-def test_a_full_disk_in_a_background_write_fails_the_next_save_and_keeps_the_last_checkpoint(
+def test_a_full_disk_in_a_background_write_fails_the_next_save_and_drops_what_was_queued_after(
     tmp_path,
 ):
     with small_disk(tmp_path / "disk", "256k") as disk:
         checkpoint_io = DurableCheckpointIO()
-        path = disk / "checkpoints" / "last.ckpt"
-        checkpoint_io.save_checkpoint({"step": 1, "weights": torch.ones(1 << 10)}, path)
-        checkpoint_io.save_checkpoint({"step": 2, "weights": torch.ones(1 << 18)}, path)
+        folder = disk / "checkpoints"
+        best, new_best, last = folder / "best-1.ckpt", folder / "best-2.ckpt", folder / "last.ckpt"
+        checkpoint_io.save_checkpoint({"step": 1, "weights": torch.ones(1 << 10)}, best)
+        checkpoint_io.link(best, last)
+        checkpoint_io.save_checkpoint({"step": 2, "weights": torch.ones(1 << 18)}, new_best)  # 1 MB
+        # what Lightning asks for next, had step 2's write worked: neither may run now
+        checkpoint_io.remove_checkpoint(best)
+        checkpoint_io.link(new_best, last)
         with pytest.raises(ValueError) as error:  # the write of step 2 failed meanwhile
-            checkpoint_io.save_checkpoint({"step": 3, "weights": torch.ones(1 << 10)}, path)
+            checkpoint_io.save_checkpoint({"step": 3, "weights": torch.ones(1 << 10)}, last)
         checkpoint_io.teardown()
-        remaining = sorted(p.name for p in path.parent.iterdir())
-        step = load_safely(path)["step"]
-    assert str(error.value).startswith(f"no space left on the disk of {path.parent}")
-    assert step == 1 and remaining == ["last.ckpt"]
+        remaining = sorted(p.name for p in folder.iterdir())
+        steps = load_safely(best)["step"], load_safely(last)["step"]
+    assert str(error.value).startswith(f"no space left on the disk of {folder}")
+    assert remaining == ["best-1.ckpt", "last.ckpt"] and steps == (1, 1)
+
+
+def test_a_failed_write_found_while_the_run_already_fails_is_reported_not_raised(tmp_path, capsys):
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        checkpoint_io = DurableCheckpointIO()
+        checkpoint_io.save_checkpoint({"weights": torch.ones(1 << 18)}, disk / "last.ckpt")
+        with pytest.raises(RuntimeError, match="the run's own failure"):
+            try:
+                raise RuntimeError("the run's own failure")
+            finally:  # as Lightning tears down a failing run: the run's error must go on
+                checkpoint_io.teardown()
+    assert "warning: a checkpoint write failed: no space left" in capsys.readouterr().err
+
+
+def test_tied_weights_are_written_once_from_the_background(tmp_path):
+    model = GPT(tiny_gpt_config(4096, block_size=8, n_layer=1, n_embd=64))  # embedding: 1 MB
+    checkpoint_io = DurableCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    checkpoint_io.save_checkpoint({"state_dict": model.state_dict()}, path)
+    checkpoint_io.teardown()
+    state = load_safely(path)["state_dict"]
+    head, embedding = state["lm_head.weight"], state["tok_emb.weight"]
+    assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    assert torch.equal(head, model.tok_emb.weight)
+    assert path.stat().st_size < 1.5 * embedding.nbytes  # the embedding once, and a little more
+
+
+def test_without_background_a_checkpoint_is_on_disk_when_its_save_returns(tmp_path):
+    checkpoint_io = DurableCheckpointIO(background=False)  # for loggers that upload checkpoints
+    path = tmp_path / "last.ckpt"
+    checkpoint_io.save_checkpoint({"step": 1, "weights": torch.ones(1 << 20)}, path)
+    assert load_safely(path)["step"] == 1
+    assert checkpoint_io.write_seconds > 0

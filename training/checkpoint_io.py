@@ -5,6 +5,7 @@ of a run directory."""
 import fcntl
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -122,33 +123,50 @@ def claim_run_dir(run_dir: Path) -> IO:
     return handle
 
 
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor` in host memory that later updates of the original leave alone."""
-    return tensor.detach().to("cpu", copy=True)
+def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """`checkpoint` with every tensor copied to host memory, where later updates of the
+    originals leave it alone. Tensors that shared storage share it in the copy too (tied
+    embedding and output weights are saved once, as torch.save saves the originals)."""
+    copies: dict[tuple, torch.UntypedStorage] = {}
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key not in copies:
+            copies[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        view = torch.empty(0, dtype=tensor.dtype)
+        return view.set_(copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    return apply_to_collection(checkpoint, torch.Tensor, copy)
 
 
 class DurableCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO with save_durably for local files (Lightning's own atomic save
     renames without an fsync) and load_safely for every load, resuming included.
 
-    Local files are written on a thread of their own while training goes on: the training
-    thread copies the state to host memory (milliseconds, where serialising and fsyncing 130 MB
-    takes a quarter of a second) and goes back to its steps. The writer runs the file operations
-    in the order they were asked for (a save, last.ckpt linked to it, an older file removed), so
-    each one finds the files it expects. At most one copy waits in memory: a save first waits
-    for the writes before it. wait() returns once every write is on disk, and raises the first
-    one that failed (a full disk: one line, the previous checkpoint intact); loads and the end
-    of fitting (teardown) wait.
+    With `background` (the default), local files are written on a thread of their own while
+    training goes on: the training thread copies the state to host memory (milliseconds, where
+    serialising and fsyncing 130 MB takes a quarter of a second) and goes back to its steps.
+    The writer runs the file operations in the order they were asked for (a save, last.ckpt
+    linked to it, an older checkpoint removed), so each finds the files it expects; once one
+    fails, those after it are dropped, so a failed save never lets the checkpoint it was to
+    replace be removed. At most one copy waits in memory: a save first waits for the writes
+    before it. wait() returns once every write is done, and raises the first that failed (a full
+    disk: one line, the previous checkpoint intact); loads and the end of fitting (teardown)
+    wait. Without `background` (a logger that uploads each checkpoint as soon as it is saved)
+    every operation runs at once.
 
     `seconds`: the training thread's time in checkpoints (copying, waiting), their cost to the
     run; `write_seconds`: the writer's, spent beside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, background: bool = True) -> None:
         super().__init__()
+        self.background = background
         self.seconds = 0.0
         self.write_seconds = 0.0
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self._failed = False
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
@@ -157,9 +175,10 @@ class DurableCheckpointIO(TorchCheckpointIO):
         self.wait()
         if storage_options is not None or "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)  # remote storage
+        elif self.background:
+            self._later(save_durably, host_copy(checkpoint), Path(path))
         else:
-            state = apply_to_collection(checkpoint, torch.Tensor, host_copy)
-            self._later(save_durably, state, Path(path))
+            self._timed(save_durably, checkpoint, Path(path))
         self.seconds += time.perf_counter() - started
 
     def link(self, source: Path, path: Path) -> None:
@@ -179,23 +198,43 @@ class DurableCheckpointIO(TorchCheckpointIO):
 
     def wait(self) -> None:
         """Return once every write asked for is done; raise the first that failed."""
-        pending, self._pending = self._pending, []
-        wait_all(pending)
+        wait_all(self._pending)
+        pending, self._pending, self._failed = self._pending, [], False
         for write in pending:
             write.result()
 
     def teardown(self) -> None:
+        """Wait for the writes; a failed one is raised, or, while another exception is being
+        handled (a run already failing or stopped by a signal), reported on stderr so as not
+        to replace it."""
+        failing = sys.exc_info()[1] is not None
         try:
             self.wait()
+        except Exception as error:
+            if not failing:
+                raise
+            print(f"warning: a checkpoint write failed: {error}", file=sys.stderr)
         finally:
             if self._writer is not None:
                 self._writer.shutdown()
                 self._writer = None
 
     def _later(self, operation: Callable, *args: Any) -> None:
+        if not self.background:
+            self._timed(operation, *args)
+            return
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-        self._pending.append(self._writer.submit(self._timed, operation, *args))
+        self._pending.append(self._writer.submit(self._unless_failed, operation, *args))
+
+    def _unless_failed(self, operation: Callable, *args: Any) -> None:
+        if self._failed:  # an earlier operation failed: this one might undo what it kept
+            return
+        try:
+            self._timed(operation, *args)
+        except BaseException:
+            self._failed = True
+            raise
 
     def _timed(self, operation: Callable, *args: Any) -> None:
         started = time.perf_counter()

@@ -383,4 +383,5 @@ class StopSignals(L.Callback):
         path = last_checkpoint_path(trainer)
         if path is not None:
             trainer.save_checkpoint(path, weights_only=False)  # the full state, to resume
+            trainer.strategy.checkpoint_io.wait()  # on disk before the run says it is saved
             self.saved = path

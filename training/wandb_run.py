@@ -64,6 +64,13 @@ class WandbLogger(LightningWandbLogger):
         self._wandb_init.pop("anonymous", None)
 
     @property
+    def uploads_checkpoints(self) -> bool:
+        """log_model: Lightning's W&B logger reads checkpoint files as soon as they are saved
+        (log_model="all") or at the end, so they must be written at once, not beside training
+        (training/checkpoint_io.py)."""
+        return bool(self._log_model)
+
+    @property
     def experiment(self):  # the parent's: the run on rank zero, a stand-in on the others
         first = self._experiment is None
         if first:
