@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from data.lm_text import LMDataConfig, TokenBlocks, eval_documents, token_stream
+from data.lm_text import LMDataConfig, TokenBlocks, eval_documents, token_stream, whole_batch
 from data.metrics import character_error_rate
 from data.seq2seq_text import (
     IGNORE_INDEX,
@@ -172,7 +172,9 @@ def score_gpt(
             f"{shown} has {len(tokens)} tokens, fewer than one block of data.block_size={block} "
             "and the token after it; score more text or lower data.block_size"
         )
-    blocks = DataLoader(TokenBlocks(tokens, block, stride=block), batch_size)
+    blocks = DataLoader(
+        TokenBlocks(tokens, block, stride=block), batch_size, collate_fn=whole_batch
+    )
     token_chars = torch.tensor(tokenizer.token_char_counts(), device=device)
     nats = torch.zeros((), dtype=torch.float64, device=device)
     chars = torch.zeros((), dtype=torch.int64, device=device)

@@ -24,6 +24,7 @@ from data.lm_text import (
     encode_held_out,
     texts_of,
     token_dtype,
+    whole_batch,
 )
 from data.sources import (
     TEXT_BUILDERS,
@@ -321,12 +322,13 @@ class LMDataModule(CachedDataModule):
     def train_dataloader(self) -> DataLoader:
         # Every offset starts a training block; overlapping blocks are distinct examples.
         blocks = TokenBlocks(self._split("train"), self.config.block_size, stride=1)
-        return self._loader(blocks, train=True)
+        return self._loader(blocks, train=True, collate_fn=whole_batch)
 
     def val_dataloader(self) -> DataLoader:
         # Non-overlapping blocks score each validation token once per epoch.
         block = self.config.block_size
-        return self._loader(TokenBlocks(self._split("val"), block, stride=block), train=False)
+        blocks = TokenBlocks(self._split("val"), block, stride=block)
+        return self._loader(blocks, train=False, collate_fn=whole_batch)
 
     def val_sample(self, length: int) -> torch.Tensor:
         """The first `length` validation tokens: fixed, and starting at a speaker's name."""

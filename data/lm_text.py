@@ -189,7 +189,11 @@ def token_stream(
 
 
 class TokenBlocks(Dataset):
-    """(x, y) pairs of `block_size` tokens, y shifted one token ahead, one every `stride` tokens."""
+    """(x, y) pairs of `block_size` tokens, y shifted one token ahead, one every `stride` tokens.
+
+    A DataLoader given collate_fn=whole_batch fetches each batch in one gather (__getitems__),
+    in a fraction of the host time that fetching each example and stacking them takes
+    (bench/batch_fetch.py): time a GPU waits through when the model is small."""
 
     def __init__(self, tokens: np.ndarray, block_size: int, stride: int):
         self.tokens, self.block_size, self.stride = tokens, block_size, stride
@@ -201,6 +205,17 @@ class TokenBlocks(Dataset):
         start = i * self.stride
         chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The examples at `indices`, stacked: (x, y), each (len(indices), block_size)."""
+        positions = (np.asarray(indices) * self.stride)[:, None] + np.arange(self.block_size)
+        x = torch.from_numpy(self.tokens[positions].astype(np.int64))
+        return x, torch.from_numpy(self.tokens[positions + 1].astype(np.int64))
+
+
+def whole_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The collate_fn of a dataset whose __getitems__ makes the batch itself (TokenBlocks)."""
+    return batch
 
 
 def texts_of(

@@ -198,6 +198,19 @@ def test_train_batches(dm):
     assert y[-1] == train[-1] and x[0] == train[-BLOCK - 1]
 
 
+def test_a_train_batch_fetched_at_once_is_its_examples_stacked(dm):
+    order = list(dm.train_dataloader().sampler)  # a fresh loader's first epoch, as below
+    loader = dm.train_dataloader()
+    x, y = next(iter(loader))
+    examples = [loader.dataset[i] for i in order[:BATCH]]
+    assert torch.equal(x, torch.stack([example_x for example_x, _ in examples]))
+    assert torch.equal(y, torch.stack([example_y for _, example_y in examples]))
+    last = len(loader.dataset) - 1  # the batch gather reaches the text's last token as well
+    gathered_x, gathered_y = loader.dataset.__getitems__([last, 0])
+    assert torch.equal(gathered_x[0], loader.dataset[last][0])
+    assert torch.equal(gathered_y[0], loader.dataset[last][1])
+
+
 def test_val_batches_score_every_non_overlapping_block_once(dm):
     loader = dm.val_dataloader()
     val = torch.from_numpy(np.asarray(dm._split("val")).astype(np.int64))
