@@ -206,9 +206,29 @@ def test_tied_weights_are_written_once_from_the_background(tmp_path):
     assert path.stat().st_size < 1.5 * embedding.nbytes  # the embedding once, and a little more
 
 
-def test_without_background_a_checkpoint_is_on_disk_when_its_save_returns(tmp_path):
-    checkpoint_io = DurableCheckpointIO(background=False)  # for loggers that upload checkpoints
-    path = tmp_path / "last.ckpt"
-    checkpoint_io.save_checkpoint({"step": 1, "weights": torch.ones(1 << 20)}, path)
-    assert load_safely(path)["step"] == 1
-    assert checkpoint_io.write_seconds > 0
+def test_a_failed_background_save_drops_the_removal_and_link_queued_after_it(tmp_path):
+    folder = tmp_path / "checkpoints"
+    best, last = folder / "best-1.ckpt", folder / "last.ckpt"
+    checkpoint_io = DurableCheckpointIO()
+    checkpoint_io.save_checkpoint({"step": 1}, best)
+    checkpoint_io.link(best, last)
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")  # a file where the new checkpoint's folder should be
+    checkpoint_io.save_checkpoint({"step": 2}, unwritable / "best-2.ckpt")
+    checkpoint_io.remove_checkpoint(best)  # what Lightning asks for once step 2 is the best
+    checkpoint_io.link(unwritable / "best-2.ckpt", last)
+    with pytest.raises(OSError):
+        checkpoint_io.wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["best-1.ckpt", "last.ckpt"]
+    assert load_safely(best)["step"] == load_safely(last)["step"] == 1
+
+
+def test_without_background_a_failed_save_fails_at_once(tmp_path):
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")
+    background, at_once = DurableCheckpointIO(), DurableCheckpointIO(background=False)
+    background.save_checkpoint({"step": 1}, unwritable / "last.ckpt")  # fails on the writer
+    with pytest.raises(OSError):  # for loggers that read checkpoints as soon as they are saved
+        at_once.save_checkpoint({"step": 1}, unwritable / "last.ckpt")
+    with pytest.raises(OSError):
+        background.wait()

@@ -130,8 +130,10 @@ def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
     copies: dict[tuple, torch.UntypedStorage] = {}
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.layout != torch.strided:  # sparse: no storage to share
+            return tensor.detach().to("cpu", copy=True)
         storage = tensor.untyped_storage()
-        key = (storage.device, storage.data_ptr())
+        key = (storage.device, storage.data_ptr(), storage.nbytes())
         if key not in copies:
             copies[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
         view = torch.empty(0, dtype=tensor.dtype)

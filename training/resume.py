@@ -364,7 +364,7 @@ class StopSignals(L.Callback):
         """After fit() stopped on a signal: how to continue, and the exit status a shell gives a
         process that signal ended (128 + signal number), so job schedulers see it."""
         if trainer.is_global_zero:
-            saved = f"saved {self.saved}" if self.saved else "no checkpoint callback, nothing saved"
+            saved = f"saved {self.saved}" if self.saved else "nothing saved at this step"
             print(
                 f"stopped by {signal.Signals(self.signum).name} after step {trainer.global_step}; "
                 f"{saved}; continue with: python train.py ckpt_path={run_dir}",
@@ -381,7 +381,12 @@ class StopSignals(L.Callback):
             return  # a failure (say a non-finite loss) must not overwrite the last good state
         self.signum = self.signum or signal.SIGTERM
         path = last_checkpoint_path(trainer)
-        if path is not None:
+        if path is None:
+            return
+        try:
             trainer.save_checkpoint(path, weights_only=False)  # the full state, to resume
             trainer.strategy.checkpoint_io.wait()  # on disk before the run says it is saved
-            self.saved = path
+        except Exception as error:  # a full disk: the run still stops as the signal asked
+            print(f"warning: the checkpoint at the stop was not saved: {error}", file=sys.stderr)
+            return
+        self.saved = path
