@@ -177,10 +177,9 @@ class DurableCheckpointIO(TorchCheckpointIO):
         self.wait()
         if storage_options is not None or "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)  # remote storage
-        elif self.background:
-            self._later(save_durably, host_copy(checkpoint), Path(path))
-        else:
-            self._timed(save_durably, checkpoint, Path(path))
+        else:  # written later, so from a copy, unless written at once
+            state = host_copy(checkpoint) if self.background else checkpoint
+            self._later(save_durably, state, Path(path))
         self.seconds += time.perf_counter() - started
 
     def link(self, source: Path, path: Path) -> None:
