@@ -83,6 +83,9 @@ OmegaConf.register_new_resolver("hydra_record_dir", hydra_record_dir, use_cache=
 gc.freeze()
 gc.enable()
 
+# torch.compile's modes (compile_mode=)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 
 @dataclasses.dataclass
 class Plan:
@@ -110,6 +113,14 @@ def check_options(cfg: DictConfig) -> Plan:
     cfg = resume.cfg
     check(is_int(cfg.seed, 0) and cfg.seed < 2**32, "seed", "an integer in [0, 2**32)", cfg.seed)
     check(isinstance(cfg.compile, bool), "compile", "true or false", cfg.compile)
+    modes = ", ".join(COMPILE_MODES)
+    check(cfg.compile_mode in COMPILE_MODES, "compile_mode", f"one of {modes}", cfg.compile_mode)
+    check(
+        cfg.compile or cfg.compile_mode == "default",
+        "compile_mode",
+        "default unless compile=true (add compile=true)",
+        cfg.compile_mode,
+    )
     check_nonfinite_action(cfg.on_nonfinite)
     # the schedule needs a length
     check_int("trainer.max_steps", cfg.trainer.get("max_steps"))
@@ -154,7 +165,8 @@ def build_module(plan: Plan, tokenizer) -> L.LightningModule:
         on_nonfinite=plan.cfg.on_nonfinite,
     )
     if plan.cfg.compile:
-        module.model.compile()  # in place: the state dict keeps its keys, checkpoints load as ever
+        # in place: the state dict keeps its keys, checkpoints load as ever
+        module.model.compile(mode=plan.cfg.compile_mode)
     return module
 
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, as one script for a short lease on a GPU machine: the CUDA
-# tests, decoding speed with and without CUDA graphs, a profile of a compiled run's start-up,
-# and nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence). Each
-# step's output goes to OUT_DIR/STEP.log; the last step gets whatever is left of SECONDS (at
-# least 120), so that a slow run loses only its own tail.
+# tests, nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence,
+# steps replayed as CUDA graphs where their tests pass), decoding speed with CUDA graphs, and a
+# profile of a compiled run's start-up. Each step's output goes to OUT_DIR/STEP.log; vs_nanogpt
+# gets what is left of SECONDS less the last two steps' 110 s (at least 120).
 #
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
 #
@@ -16,38 +16,48 @@ nanogpt=$1 text=$2 out=$3 steps=${4:-5000} budget=${5:-1800}
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
-# step LIMIT NAME COMMAND...: COMMAND under a time limit, its output shown and kept in NAME.log
+# step LIMIT NAME COMMAND...: COMMAND under a time limit, its output shown and kept in NAME.log;
+# returns COMMAND's exit status
 step() {
-    local limit=$1 name=$2
+    local limit=$1 name=$2 status
     shift 2
     echo "== $name, at most ${limit}s, from $(date +%T)"
     timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
-    echo "== $name: exit ${PIPESTATUS[0]} after ${SECONDS}s in all"
+    status=${PIPESTATUS[0]}
+    echo "== $name: exit $status after ${SECONDS}s in all"
+    return "$status"
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-step 150 tests "$python" -m pytest -q -n 4 tests/test_generation.py tests/test_guard.py \
-    tests/test_precision.py
-step 100 decode "$python" bench/generate_speed.py --device cuda --repeats 3
-step 100 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --repeats 3 --cuda-graph
-# Where the start-up goes (the H200 took 25 s to start fitting): a profile of a short compiled
-# run of nanoGPT's GPU shape, after a run that warms the data and compile caches (read it with
-# python -c "import pstats; pstats.Stats('startup.prof').sort_stats('cumulative').print_stats(60)")
-startup=(data=text_files "data.paths=[$text/train.txt]" "data.val_paths=[$text/val.txt]"
-    model.n_layer=6 model.n_embd=384 model.attention.n_head=6 model.block_size=256
-    data.batch_size=64 trainer=gpu compile=true trainer.max_steps=2 trainer.val_check_interval=2)
-step 150 startup_warm "$python" train.py "${startup[@]}" "hydra.run.dir=$(mktemp -du)"
-step 150 startup "$python" -m cProfile -o "$out/startup.prof" train.py "${startup[@]}" \
-    "hydra.run.dir=$(mktemp -du)"
-left=$((budget - SECONDS - 10))
+step 180 tests "$python" -m pytest -q -rA -n 4 tests/test_cuda_graphs_training.py \
+    tests/test_generation.py tests/test_guard.py tests/test_precision.py
+# Ours replays its steps as CUDA graphs where their tests passed, else compiles as by default.
+mode=default
+if grep -q "^PASSED tests/test_cuda_graphs_training.py::test_steps_replay" "$out/tests.log" &&
+    grep -q "^PASSED tests/test_cuda_graphs_training.py::test_replayed_steps" "$out/tests.log"; then
+    mode=reduce-overhead
+fi
+# the decoding and start-up checks after it
+left=$((budget - SECONDS - 110))
 if ((left < 120)); then
     echo "== only ${left}s of the ${budget}s left for vs_nanogpt: give more SECONDS" >&2
     left=120
 fi
 step "$left" vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
     --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" \
-    --ours "callbacks.attention_maps.every_n_steps=500"
+    --ours "callbacks.attention_maps.every_n_steps=500 compile_mode=$mode"
 # our run's own accounting: seconds in attention maps, checkpoints, to the first step
 scratch=$(sed -n 's/.*; scratch //p' "$out/vs_nanogpt.log")
 cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"
+step 50 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --repeats 5 --cuda-graph
+# Where the start-up goes (the H200 took 25 s to start fitting): a profile of a short run of
+# the recipe's shape, its data and compile caches warm from vs_nanogpt
+startup=(data=text_files "data.paths=[$text/train.txt]" "data.val_paths=[$text/val.txt]"
+    model.n_layer=6 model.n_embd=384 model.attention.n_head=6 model.block_size=256
+    data.batch_size=64 trainer=gpu compile=true "compile_mode=$mode" trainer.max_steps=2
+    trainer.val_check_interval=2)
+step 55 startup "$python" -m cProfile -o "$out/startup.prof" train.py "${startup[@]}" \
+    "hydra.run.dir=$(mktemp -du)"
+"$python" -c "import pstats; pstats.Stats('$out/startup.prof').sort_stats('cumulative').print_stats(45)" |
+    tee "$out/startup_top.log" | head -80

@@ -30,6 +30,12 @@ CASES = [
      "error: model=encdec cannot train on data=shakespeare_char: use data=shakespeare_denoise"),
     ("zero_steps", "train.py", ["trainer.max_steps=0"],
      "error: trainer.max_steps must be a positive integer"),
+    ("unknown_compile_mode", "train.py", ["compile=true", "compile_mode=fast"],
+     "error: compile_mode must be one of default, reduce-overhead, max-autotune, "
+     "max-autotune-no-cudagraphs, got 'fast'"),
+    ("compile_mode_without_compile", "train.py", ["compile_mode=reduce-overhead"],
+     "error: compile_mode must be default unless compile=true (add compile=true), "
+     "got 'reduce-overhead'"),
     ("unknown_nonfinite_action", "train.py", ["on_nonfinite=ignore"],
      "error: on_nonfinite='ignore' is not one of stop, skip"),
     ("unknown_position", "train.py", ["model.position=spiral"], "error: model.position='spiral'"),
