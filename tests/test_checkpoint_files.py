@@ -15,7 +15,7 @@ import torch
 from helpers import ROOT, small_disk, tiny_gpt_config
 from model.checkpoint import load_safely, model_state
 from model.gpt import GPT
-from training.checkpoint_io import DurableCheckpointIO, partial_files, save_durably
+from training.checkpoint_io import DurableCheckpointIO, host_copy, partial_files, save_durably
 
 # Saves a new checkpoint over argv[1], with a fault that kills the process (SIGKILL) midway:
 # "fsync" after the whole file is written but before its rename, "write" once half of its bytes
@@ -204,6 +204,20 @@ def test_tied_weights_are_written_once_from_the_background(tmp_path):
     assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
     assert torch.equal(head, model.tok_emb.weight)
     assert path.stat().st_size < 1.5 * embedding.nbytes  # the embedding once, and a little more
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's tensors")
+def test_a_gpus_tensors_are_copied_whole_into_pinned_memory_as_they_were_at_the_save():
+    values = torch.arange(1 << 24, dtype=torch.float32)  # 64 MB: the copy takes milliseconds
+    weights = values.to("cuda")
+    view = weights[16:32].view(4, 4)  # a view of the same storage, at an offset
+    copied = host_copy({"weights": weights, "view": view, "step": 3})
+    weights.add_(1)  # the next optimizer step, queued after the copies
+    # read at once: the copies are complete when host_copy returns
+    assert torch.equal(copied["weights"], values) and copied["weights"].is_pinned()
+    assert torch.equal(copied["view"], values[16:32].view(4, 4))
+    storages = {copied[k].untyped_storage().data_ptr() for k in ("weights", "view")}
+    assert len(storages) == 1 and copied["step"] == 3
 
 
 def test_a_failed_background_save_drops_the_removal_and_link_queued_after_it(tmp_path):

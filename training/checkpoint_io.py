@@ -126,7 +126,9 @@ def claim_run_dir(run_dir: Path) -> IO:
 def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """`checkpoint` with every tensor copied to host memory, where later updates of the
     originals leave it alone. Tensors that shared storage share it in the copy too (tied
-    embedding and output weights are saved once, as torch.save saves the originals)."""
+    embedding and output weights are saved once, as torch.save saves the originals). A GPU's
+    tensors are copied into pinned memory, all queued at once and waited for once: a copy into
+    pageable memory would wait for the device once a tensor, at a quarter of the bandwidth."""
     copies: dict[tuple, torch.UntypedStorage] = {}
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -135,11 +137,21 @@ def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
         storage = tensor.untyped_storage()
         key = (storage.device, storage.data_ptr(), storage.nbytes())
         if key not in copies:
-            copies[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+            copies[key] = pinned_copy(storage) if storage.is_cuda else storage.clone()
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
 
-    return apply_to_collection(checkpoint, torch.Tensor, copy)
+    copied = apply_to_collection(checkpoint, torch.Tensor, copy)
+    for device in {key[0] for key in copies if key[0].type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+    return copied
+
+
+def pinned_copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A copy of a GPU's `storage` in pinned host memory, queued on the current stream."""
+    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
+    host.copy_(storage, non_blocking=True)
+    return host
 
 
 class DurableCheckpointIO(TorchCheckpointIO):
