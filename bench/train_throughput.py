@@ -79,7 +79,7 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = GPT(model_config).to(device)
     if cfg.compile:
-        model.compile()
+        model.compile(mode=cfg.compile_mode)
     optim = OptimConfig(**cfg.optim)
     optimizer = torch.optim.AdamW(
         model.optimizer_groups(optim.weight_decay),
