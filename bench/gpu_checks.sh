@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, as one script for a short lease on a GPU machine: the CUDA
 # tests, nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence,
-# steps replayed as CUDA graphs where their tests pass), decoding speed with CUDA graphs, and a
-# profile of a compiled run's start-up. Each step's output goes to OUT_DIR/STEP.log; vs_nanogpt
-# gets what is left of SECONDS less the last two steps' 110 s (at least 120).
+# steps replayed as CUDA graphs where their tests pass), decoding speed with CUDA graphs, and
+# the import times of train.py. Each step's output goes to OUT_DIR/STEP.log; vs_nanogpt gets
+# what is left of SECONDS less the last two steps' 70 s (at least 120).
 #
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
 #
@@ -31,15 +31,16 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 step 180 tests "$python" -m pytest -q -rA -n 4 tests/test_cuda_graphs_training.py \
-    tests/test_generation.py tests/test_guard.py tests/test_precision.py
+    tests/test_checkpoint_files.py tests/test_generation.py tests/test_guard.py \
+    tests/test_precision.py
 # Ours replays its steps as CUDA graphs where their tests passed, else compiles as by default.
 mode=default
 if grep -q "^PASSED tests/test_cuda_graphs_training.py::test_steps_replay" "$out/tests.log" &&
     grep -q "^PASSED tests/test_cuda_graphs_training.py::test_replayed_steps" "$out/tests.log"; then
     mode=reduce-overhead
 fi
-# the decoding and start-up checks after it
-left=$((budget - SECONDS - 110))
+# the decoding and import checks after it
+left=$((budget - SECONDS - 70))
 if ((left < 120)); then
     echo "== only ${left}s of the ${budget}s left for vs_nanogpt: give more SECONDS" >&2
     left=120
@@ -51,13 +52,6 @@ step "$left" vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
 scratch=$(sed -n 's/.*; scratch //p' "$out/vs_nanogpt.log")
 cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"
 step 50 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --repeats 5 --cuda-graph
-# Where the start-up goes (the H200 took 25 s to start fitting): a profile of a short run of
-# the recipe's shape, its data and compile caches warm from vs_nanogpt
-startup=(data=text_files "data.paths=[$text/train.txt]" "data.val_paths=[$text/val.txt]"
-    model.n_layer=6 model.n_embd=384 model.attention.n_head=6 model.block_size=256
-    data.batch_size=64 trainer=gpu compile=true "compile_mode=$mode" trainer.max_steps=2
-    trainer.val_check_interval=2)
-step 55 startup "$python" -m cProfile -o "$out/startup.prof" train.py "${startup[@]}" \
-    "hydra.run.dir=$(mktemp -du)"
-"$python" -c "import pstats; pstats.Stats('$out/startup.prof').sort_stats('cumulative').print_stats(45)" |
-    tee "$out/startup_top.log" | head -80
+# Where the start-up goes before fitting (ours_summary.json has seconds_to_fit_start): the
+# imports, read with `sort -t'|' -k2 -n -r importtime.log | head -30`
+"$python" -X importtime -c "import train" 2>"$out/importtime.log"

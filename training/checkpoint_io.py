@@ -126,9 +126,9 @@ def claim_run_dir(run_dir: Path) -> IO:
 def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """`checkpoint` with every tensor copied to host memory, where later updates of the
     originals leave it alone. Tensors that shared storage share it in the copy too (tied
-    embedding and output weights are saved once, as torch.save saves the originals). A GPU's
-    tensors are copied into pinned memory, all queued at once and waited for once: a copy into
-    pageable memory would wait for the device once a tensor, at a quarter of the bandwidth."""
+    embedding and output weights are saved once, as torch.save saves the originals). A CUDA
+    GPU's tensors are copied into pinned memory, all queued at once and waited for once, where
+    a copy into pageable memory would wait for the device at every tensor."""
     copies: dict[tuple, torch.UntypedStorage] = {}
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,10 @@ def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
         storage = tensor.untyped_storage()
         key = (storage.device, storage.data_ptr(), storage.nbytes())
         if key not in copies:
-            copies[key] = pinned_copy(storage) if storage.is_cuda else storage.clone()
+            if storage.is_cuda:
+                copies[key] = pinned_copy(storage)
+            else:
+                copies[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
 
