@@ -118,7 +118,7 @@ def check_options(cfg: DictConfig) -> Plan:
     check(
         cfg.compile or cfg.compile_mode == "default",
         "compile_mode",
-        "default unless compile=true (add compile=true)",
+        "default unless compile=true (add compile=true, or drop compile_mode)",
         cfg.compile_mode,
     )
     check_nonfinite_action(cfg.on_nonfinite)

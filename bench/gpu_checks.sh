@@ -3,7 +3,8 @@
 # tests, nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence,
 # steps replayed as CUDA graphs where their tests pass), decoding speed with CUDA graphs, and
 # the import times of train.py. Each step's output goes to OUT_DIR/STEP.log; vs_nanogpt gets
-# what is left of SECONDS less the last two steps' 70 s (at least 120).
+# what is left of SECONDS less the last two steps' 70 s (at least 120). Exits 1 if any step
+# failed, after running the others.
 #
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
 #
@@ -30,9 +31,10 @@ step() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+failed=0
 step 180 tests "$python" -m pytest -q -rA -n 4 tests/test_cuda_graphs_training.py \
     tests/test_checkpoint_files.py tests/test_generation.py tests/test_guard.py \
-    tests/test_precision.py
+    tests/test_precision.py || failed=1
 # Ours replays its steps as CUDA graphs where their tests passed, else compiles as by default.
 mode=default
 if grep -q "^PASSED tests/test_cuda_graphs_training.py::test_steps_replay" "$out/tests.log" &&
@@ -47,11 +49,15 @@ if ((left < 120)); then
 fi
 step "$left" vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
     --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" \
-    --ours "callbacks.attention_maps.every_n_steps=500 compile_mode=$mode"
+    --ours "callbacks.attention_maps.every_n_steps=500 compile_mode=$mode" || failed=1
 # our run's own accounting: seconds in attention maps, checkpoints, to the first step
 scratch=$(sed -n 's/.*; scratch //p' "$out/vs_nanogpt.log")
-cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"
-step 50 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --repeats 5 --cuda-graph
+if [[ -n $scratch && -f $scratch/ours-0/summary.json ]]; then
+    cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"
+fi
+step 50 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --repeats 5 \
+    --cuda-graph || failed=1
 # Where the start-up goes before fitting (ours_summary.json has seconds_to_fit_start): the
 # imports, read with `sort -t'|' -k2 -n -r importtime.log | head -30`
-"$python" -X importtime -c "import train" 2>"$out/importtime.log"
+timeout 20 "$python" -X importtime -c "import train" 2>"$out/importtime.log" || failed=1
+exit "$failed"

@@ -34,8 +34,8 @@ CASES = [
      "error: compile_mode must be one of default, reduce-overhead, max-autotune, "
      "max-autotune-no-cudagraphs, got 'fast'"),
     ("compile_mode_without_compile", "train.py", ["compile_mode=reduce-overhead"],
-     "error: compile_mode must be default unless compile=true (add compile=true), "
-     "got 'reduce-overhead'"),
+     "error: compile_mode must be default unless compile=true (add compile=true, or drop "
+     "compile_mode), got 'reduce-overhead'"),
     ("unknown_nonfinite_action", "train.py", ["on_nonfinite=ignore"],
      "error: on_nonfinite='ignore' is not one of stop, skip"),
     ("unknown_position", "train.py", ["model.position=spiral"], "error: model.position='spiral'"),

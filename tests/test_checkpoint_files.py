@@ -212,8 +212,8 @@ def test_a_gpus_tensors_are_copied_whole_into_pinned_memory_as_they_were_at_the_
     weights = values.to("cuda")
     view = weights[16:32].view(4, 4)  # a view of the same storage, at an offset
     copied = host_copy({"weights": weights, "view": view, "step": 3})
-    weights.add_(1)  # the next optimizer step, queued after the copies
-    # read at once: the copies are complete when host_copy returns
+    weights.add_(1)  # the next optimizer step: queued after the copies, so it cannot reach them
+    # read at once, with no wait here: the copies must be complete when host_copy returns
     assert torch.equal(copied["weights"], values) and copied["weights"].is_pinned()
     assert torch.equal(copied["view"], values[16:32].view(4, 4))
     storages = {copied[k].untyped_storage().data_ptr() for k in ("weights", "view")}

@@ -25,6 +25,10 @@ RUN = [
 ]
 
 
+# Any graph that torch.compile would run without CUDA graphs is an error.
+GRAPHS_OR_ERROR = {"TORCHINDUCTOR_CUDAGRAPH_OR_ERROR": "1"}
+
+
 def val_losses(run_dir: Path) -> list[float]:
     history = json.loads((run_dir / "summary.json").read_text())["history"]
     return [row["val/loss"] for row in history if "val/loss" in row]
@@ -39,11 +43,10 @@ def train(run_dir: Path, cache: Path, *overrides: str, env: dict | None = None) 
 
 
 def test_steps_replay_as_cuda_graphs(tmp_path, shared_cache):
-    # Any graph torch.compile would run without CUDA graphs is an error here, and the graph
-    # trees log each graph they record.
-    graphs = {"TORCHINDUCTOR_CUDAGRAPH_OR_ERROR": "1", "TORCH_LOGS": "+cudagraphs"}
+    # the graph trees log each graph they record
+    logged = {**GRAPHS_OR_ERROR, "TORCH_LOGS": "+cudagraphs"}
     dropout = ["model.dropout=0.1", "model.attention.dropout=0.1"]
-    log = train(tmp_path, shared_cache, "compile_mode=reduce-overhead", *dropout, env=graphs)
+    log = train(tmp_path, shared_cache, "compile_mode=reduce-overhead", *dropout, env=logged)
     # at least the training step's forward and backward, and validation's forward
     assert sum("Recording function" in line for line in log.splitlines()) >= 3, log[-3000:]
     losses = val_losses(tmp_path)
@@ -56,12 +59,12 @@ def test_replayed_steps_train_as_the_default_mode_does(tmp_path, shared_cache):
     # as graphs changes nothing but the launches. The attention kernel's backward sums in no
     # fixed order, which moves the losses in the third digit at most; a graph replaying stale
     # inputs (one batch over and over) would move them by a tenth. The two runs share the GPU.
-    modes = {"default": [], "graphs": ["compile_mode=reduce-overhead"]}
+    modes = {"default": ([], None), "graphs": (["compile_mode=reduce-overhead"], GRAPHS_OR_ERROR)}
     same = ["model.dropout=0.0", "model.attention.dropout=0.0"]
     with ThreadPoolExecutor(2) as pool:
         runs = [
-            pool.submit(train, tmp_path / name, shared_cache, *mode, *same)
-            for name, mode in modes.items()
+            pool.submit(train, tmp_path / name, shared_cache, *mode, *same, env=env)
+            for name, (mode, env) in modes.items()
         ]
         for run in runs:
             run.result()
