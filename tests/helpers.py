@@ -1,6 +1,7 @@
 """What the tests share: the project root, tiny models, and running the project's commands as a
 user would, in an environment that is the same on every machine."""
 
+import json
 import os
 import signal
 import subprocess
@@ -262,14 +263,23 @@ def run_script(
     )
 
 
-def train_run(run_dir: Path, *overrides: str, cache_dir: Path) -> Path:
-    """Run train.py into `run_dir`, fail the test with its stderr if it fails, keep its output
-    as run_dir/stdout.txt and stderr.txt, and return run_dir."""
-    result = run_script("train.py", *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache_dir)
+def train_run(run_dir: Path, *overrides: str, cache_dir: Path, env: dict | None = None) -> Path:
+    """Run train.py into `run_dir` (with `env` added to its environment), fail the test with its
+    stderr if it fails, keep its output as run_dir/stdout.txt and stderr.txt, and return
+    run_dir."""
+    result = run_script(
+        "train.py", *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache_dir, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir / "stderr.txt").write_text(result.stderr)
     (run_dir / "stdout.txt").write_text(result.stdout)  # last: the run is complete
     return run_dir
+
+
+def val_losses(run_dir: Path) -> list[float]:
+    """The validation losses of a run's history (summary.json), in order."""
+    history = json.loads((run_dir / "summary.json").read_text())["history"]
+    return [row["val/loss"] for row in history if "val/loss" in row]
 
 
 @contextmanager

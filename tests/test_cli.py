@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data.tokenizer import tokenizer_from_dict
-from helpers import ROOT, TINY, clean_env, default_signals, run_script, train_run
+from helpers import ROOT, TINY, clean_env, default_signals, run_script, train_run, val_losses
 from wandb_offline import config, history, run_info, summary
 
 
@@ -192,7 +192,7 @@ def test_cpu_fast_recipe_trains_with_muon_in_bf16(tmp_path, shared_cache):
     groups = checkpoint["optimizer_states"][0]["param_groups"]
     assert [group["initial_lr"] for group in groups] == [1.2e-2, 5e-3]
     summary = json.loads((run_dir / "summary.json").read_text())
-    val = [row["val/loss"] for row in summary["history"] if "val/loss" in row]
+    val = val_losses(run_dir)
     assert len(val) == 3 and val[-1] < val[0]
     # Launch, then fitting, then the first step: bench/vs_nanogpt.py times validations from
     # launch with these.

@@ -3,15 +3,13 @@ CUDA graphs, through a run that also validates, records attention maps, drops ou
 checkpoints; and it trains the model to the losses compile=true's default mode reaches, up to
 the order of the attention kernel's sums."""
 
-import json
 import math
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import TINY, run_script
+from helpers import TINY, train_run, val_losses
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -23,30 +21,18 @@ RUN = [
     "compile=true",
     "logger=csv",
 ]
-
-
 # Any graph that torch.compile would run without CUDA graphs is an error.
 GRAPHS_OR_ERROR = {"TORCHINDUCTOR_CUDAGRAPH_OR_ERROR": "1"}
-
-
-def val_losses(run_dir: Path) -> list[float]:
-    history = json.loads((run_dir / "summary.json").read_text())["history"]
-    return [row["val/loss"] for row in history if "val/loss" in row]
-
-
-def train(run_dir: Path, cache: Path, *overrides: str, env: dict | None = None) -> str:
-    result = run_script(
-        "train.py", *RUN, *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stderr
 
 
 def test_steps_replay_as_cuda_graphs(tmp_path, shared_cache):
     # the graph trees log each graph they record
     logged = {**GRAPHS_OR_ERROR, "TORCH_LOGS": "+cudagraphs"}
     dropout = ["model.dropout=0.1", "model.attention.dropout=0.1"]
-    log = train(tmp_path, shared_cache, "compile_mode=reduce-overhead", *dropout, env=logged)
+    train_run(
+        tmp_path, *RUN, "compile_mode=reduce-overhead", *dropout, cache_dir=shared_cache, env=logged
+    )
+    log = (tmp_path / "stderr.txt").read_text()
     # at least the training step's forward and backward, and validation's forward
     assert sum("Recording function" in line for line in log.splitlines()) >= 3, log[-3000:]
     losses = val_losses(tmp_path)
@@ -63,7 +49,9 @@ def test_replayed_steps_train_as_the_default_mode_does(tmp_path, shared_cache):
     same = ["model.dropout=0.0", "model.attention.dropout=0.0"]
     with ThreadPoolExecutor(2) as pool:
         runs = [
-            pool.submit(train, tmp_path / name, shared_cache, *mode, *same, env=env)
+            pool.submit(
+                train_run, tmp_path / name, *RUN, *mode, *same, cache_dir=shared_cache, env=env
+            )
             for name, (mode, env) in modes.items()
         ]
         for run in runs:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SMALLEST, checkpoint_before_the_join, fault, run_training
+from helpers import SMALLEST, checkpoint_before_the_join, fault, run_training, val_losses
 from training.module import OptimConfig
 from training.resume import resume_conflicts
 from wandb_offline import config, history, run_files, run_info
@@ -272,8 +272,8 @@ def test_a_non_finite_validation_loss_is_never_the_best_checkpoint(tmp_path, cac
     result = run_training(cache, *overrides, *fault("NaNWeights"))
     assert result.returncode == 1  # every step skipped: diverged
     summary = json.loads((run_dir / "summary.json").read_text())
-    val_losses = [row["val/loss"] for row in summary["history"] if "val/loss" in row]
-    assert len(val_losses) == 2 and all(math.isnan(loss) for loss in val_losses)
+    losses = val_losses(run_dir)
+    assert len(losses) == 2 and all(math.isnan(loss) for loss in losses)
     assert summary["best_val_loss"] is None
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt"]
 

@@ -137,10 +137,7 @@ def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
         storage = tensor.untyped_storage()
         key = (storage.device, storage.data_ptr(), storage.nbytes())
         if key not in copies:
-            if storage.is_cuda:
-                copies[key] = pinned_copy(storage)
-            else:
-                copies[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+            copies[key] = host_storage(storage)
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
 
@@ -150,14 +147,18 @@ def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return copied
 
 
-def pinned_copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
-    """A copy of a GPU's `storage` in pinned host memory, queued on the current stream. torch
-    keeps freed pinned blocks for reuse (their sizes rounded up to powers of two), so a run
-    holds about one to two checkpoints' worth of page-locked memory after its first save, and
-    later saves allocate none."""
-    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
-    host.copy_(storage, non_blocking=True)
-    return host
+def host_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A copy of `storage` in host memory. A CUDA GPU's goes to pinned memory, queued on the
+    current stream, for the caller to wait for. torch keeps freed pinned blocks for reuse
+    (their sizes rounded up to powers of two), so a run holds about one to two checkpoints'
+    worth of page-locked memory after its first save, and later saves allocate none."""
+    if storage.is_cuda:
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
+        host.copy_(storage, non_blocking=True)
+        return host
+    if storage.device.type == "cpu":
+        return storage.clone()
+    return storage.cpu()
 
 
 class DurableCheckpointIO(TorchCheckpointIO):
