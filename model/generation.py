@@ -51,6 +51,10 @@ def next_token(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+# A decoding's choice of the next tokens (B,) from a forward pass's logits (B, T, V)
+Pick = Callable[[Tensor], Tensor]
+
+
 @torch.inference_mode()
 def generate(
     model: GPT,
@@ -59,6 +63,7 @@ def generate(
     *,
     use_cache: bool = True,
     static_cache: bool = False,
+    compile_step: bool = False,
     vocab_size: int | None = None,
     **sampling,
 ) -> Iterator[Tensor]:
@@ -68,49 +73,84 @@ def generate(
     The KV cache makes a step cost one position instead of the whole context. The context is
     the last block_size tokens; when the cache fills up it is rebuilt from the last half block,
     so that the cost of re-reading the context is paid once every block_size/2 tokens.
-    static_cache (with use_cache) decodes through StaticDecoding: on a GPU, CUDA graphs.
+    static_cache (with use_cache) decodes through StaticDecoding: on a GPU, CUDA graphs, whose
+    step compile_step compiles first.
     """
     if static_cache and not use_cache:
         raise ValueError("static_cache=True is a KV cache: it needs use_cache=True")
+    if compile_step and not static_cache:
+        raise ValueError("compile_step=True compiles StaticDecoding's step: it needs static_cache")
     block_size = model.config.block_size
-    context = idx[:, -block_size:]
-    if use_cache:
-        decoding = StaticDecoding(model) if static_cache else CachedDecoding(model)
-        logits = decoding.start(context)
+
+    def pick(logits: Tensor) -> Tensor:
+        return next_token(logits[:, -1, :vocab_size], **sampling)
+
+    if not use_cache:
+        decoding = UncachedDecoding(model, pick)
+    elif static_cache:
+        decoding = StaticDecoding(model, pick, sampling.get("generator"), compile_step)
     else:
-        forward = decoding_step(model, model)
-        logits, _ = forward(context)
+        decoding = CachedDecoding(model, pick)
+    context = idx[:, -block_size:]
+    token = decoding.start(context)
+    since_start = []  # the tokens after context, which a restart reads with it
     for step in range(max_new_tokens):
-        token = next_token(logits[:, -1, :vocab_size], **sampling)
         yield token
         if step == max_new_tokens - 1:
             return  # no forward pass for logits nobody will read
-        context = torch.cat((context, token[:, None]), dim=1)
-        if not use_cache:
-            context = context[:, -block_size:]
-            logits, _ = forward(context)
-        elif decoding.length < block_size:
-            logits = decoding.step(token[:, None])
+        since_start.append(token)
+        if decoding.length < block_size:
+            token = decoding.step(token)
         else:
+            context = torch.cat((context, torch.stack(since_start, dim=1)), dim=1)
             context = context[:, -max(1, block_size // 2) :]  # block_size 1: keep 1, not all
-            logits = decoding.start(context)
+            since_start = []
+            token = decoding.start(context)
+
+
+class UncachedDecoding:
+    """Decoding without a cache: each step reads the whole context again, the last block_size
+    tokens. start(context (B, T)) and step(token (B,)) return the next tokens (B,), and keep
+    the logits (B, T, V) they came from in self.logits."""
+
+    length = 0  # nothing cached: the context never fills a cache
+
+    def __init__(self, model: GPT, pick: Pick):
+        self.forward = decoding_step(model, model)
+        self.pick = pick
+        self.block_size = model.config.block_size
+        self.context: Tensor | None = None
+        self.logits: Tensor | None = None
+
+    def start(self, context: Tensor) -> Tensor:
+        self.context = context
+        self.logits = self.forward(context)[0]
+        return self.pick(self.logits)
+
+    def step(self, token: Tensor) -> Tensor:
+        return self.start(torch.cat((self.context, token[:, None]), dim=1)[:, -self.block_size :])
 
 
 class CachedDecoding:
-    """A GPT's decoding steps with a KVCache per layer: start(context) reads a context into new
-    caches, step(tokens (B, 1)) adds one position; both return the logits (B, T, V)."""
+    """A GPT's decoding steps with a KVCache per layer: start(context (B, T)) reads a context
+    into new caches, step(token (B,)) adds one position; both return the next tokens (B,), and
+    keep the logits (B, T, V) they came from in self.logits."""
 
-    def __init__(self, model: GPT):
+    def __init__(self, model: GPT, pick: Pick):
         self.model = model
         self.forward = decoding_step(model, model)
+        self.pick = pick
         self.cache: list[KVCache] = []
+        self.logits: Tensor | None = None
 
     def start(self, context: Tensor) -> Tensor:
         self.cache = self.model.new_cache()
-        return self.forward(context, cache=self.cache)[0]
+        self.logits = self.forward(context, cache=self.cache)[0]
+        return self.pick(self.logits)
 
-    def step(self, tokens: Tensor) -> Tensor:
-        return self.forward(tokens, cache=self.cache)[0]
+    def step(self, token: Tensor) -> Tensor:
+        self.logits = self.forward(token[:, None], cache=self.cache)[0]
+        return self.pick(self.logits)
 
     @property
     def length(self) -> int:
@@ -122,16 +162,32 @@ class StaticDecoding:
     """CachedDecoding's steps with a StaticKVCache per layer, whose shapes and memory never
     change. On a GPU the first step is captured as a CUDA graph and every later one replays it:
     at batch 1 a step is a hundred-odd small kernels, which take longer to launch one by one
-    from Python than to run. On the CPU the steps run as they are (slower than CachedDecoding:
-    each reads all block_size slots), which lets a test set them against CachedDecoding's.
+    from Python than to run. The graph holds the whole step: the forward pass, the choice of the
+    next tokens (`pick`, sampling included: a CUDA `generator` is registered with the graph),
+    writing them where the next replay reads its input, and advancing the position, so that
+    the host launches a replay and a copy of its tokens per step and never waits for the device.
+    With compile_step the graph records the forward pass compiled (torch.compile, static shapes):
+    a few dozen fused kernels in place of the hundred-odd, for a compilation on the first step
+    (once per process and model; Inductor's caches keep it for later processes).
+    On the CPU the steps run as they are (slower than CachedDecoding: each reads all block_size
+    slots), which lets a test set them against CachedDecoding's.
 
     start() runs outside the graph (its length varies), into the same caches, from position 0:
     slots left from before lie after the queries, where causality hides them. Each instance
     captures its own graph, on its first step: generate() makes one per call.
     """
 
-    def __init__(self, model: GPT):
+    def __init__(
+        self,
+        model: GPT,
+        pick: Pick,
+        generator: torch.Generator | None = None,
+        compile_step: bool = False,
+    ):
         self.forward = decoding_step(model, model)
+        self.compile_step = compile_step
+        self.pick = pick
+        self.generator = generator
         self.max_len = model.config.block_size
         device = next(model.parameters()).device
         self.position = torch.zeros((), dtype=torch.long, device=device)
@@ -139,36 +195,44 @@ class StaticDecoding:
         self.length = 0  # the host's copy of position, so that it never reads the device's
         self.on_gpu = device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.tokens: Tensor | None = None  # the graph's input (B, 1) and output (B, 1, V)
         self.logits: Tensor | None = None
+        # the graph's memory: its input tokens (B, 1), its logits (B, 1, V) and its choice (B,)
+        self.tokens: Tensor | None = None
+        self.step_logits: Tensor | None = None
+        self.chosen: Tensor | None = None
+        self.chosen_copy: Tensor | None = None  # what the last step returned
 
     def start(self, context: Tensor) -> Tensor:
         self._check_room(context.size(1), from_position=0)
-        self.position.zero_()
-        self.length = 0
-        logits = self.forward(context, cache=self.cache)[0]
-        self._advance(context.size(1))
-        return logits
+        self.position.fill_(0)
+        self.logits = self.forward(context, cache=self.cache)[0]
+        self.position.fill_(context.size(1))
+        self.length = context.size(1)
+        return self.pick(self.logits)
 
-    def step(self, tokens: Tensor) -> Tensor:
-        """The logits (B, 1, V) after tokens (B, 1): a tensor of their own, which the next step
-        leaves as it is."""
+    def step(self, token: Tensor) -> Tensor:
+        """The next tokens (B,) after token (B,): a tensor of their own, which later steps
+        leave as they are. self.logits holds the logits (B, 1, V) until the next step."""
         self._check_room(1, from_position=self.length)
         if not self.on_gpu:
-            logits = self.forward(tokens, cache=self.cache)[0]
-        else:
-            if self.graph is None:
-                self._capture(tokens)
-            if tokens.shape != self.tokens.shape:
+            self.logits = self.forward(token[:, None], cache=self.cache)[0]
+            self.position += 1
+            self.length += 1
+            return self.pick(self.logits)
+        if self.graph is None:
+            self._capture(token)
+        elif token is not self.chosen_copy:  # the graph already holds its own last choice
+            if token.shape != self.chosen.shape:
                 raise ValueError(
-                    f"a step of {tuple(tokens.shape)} tokens, but the graph was captured for "
-                    f"{tuple(self.tokens.shape)}: make a StaticDecoding per batch size"
+                    f"a step of {tuple(token.shape)} tokens, but the graph was captured for "
+                    f"{tuple(self.chosen.shape)}: make a StaticDecoding per batch size"
                 )
-            self.tokens.copy_(tokens)
-            self.graph.replay()
-            logits = self.logits.clone()  # the next replay overwrites the graph's output
-        self._advance(1)
-        return logits
+            self.tokens.copy_(token[:, None])
+        self.graph.replay()
+        self.length += 1
+        self.logits = self.step_logits
+        self.chosen_copy = self.chosen.clone()  # the next replay overwrites the graph's tokens
+        return self.chosen_copy
 
     def _check_room(self, positions: int, from_position: int) -> None:
         """The host knows the length, so an overrun fails here, not as a device-side assert that
@@ -179,26 +243,30 @@ class StaticDecoding:
                 f"{from_position + positions}: start again from a shorter context"
             )
 
-    def _advance(self, positions: int) -> None:
-        self.position += positions
-        self.length += positions
-
-    def _capture(self, tokens: Tensor) -> None:
-        """Record one step on the tokens (B, 1) as a graph: its input is self.tokens, its output
-        self.logits. The warm-up steps, on a side stream as CUDA graphs require, set up the
+    def _capture(self, token: Tensor) -> None:
+        """Record one step on token (B,) as a graph, which leaves its input ready for the next
+        replay. The warm-up forward passes, on a side stream as CUDA graphs require, set up the
         libraries' handles and workspaces outside the capture; they write the same position
         that the step then writes again."""
-        self.tokens = tokens.clone()
+        self.tokens = token[:, None].clone()
+        forward = self.forward
+        if self.compile_step:  # the first warm-up compiles
+            forward = torch.compile(forward, fullgraph=True, dynamic=False)
         with torch.cuda.device(self.position.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.forward(self.tokens, cache=self.cache)
+                    forward(self.tokens, cache=self.cache)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
+            if self.generator is not None:
+                self.graph.register_generator_state(self.generator)
             with torch.cuda.graph(self.graph):
-                self.logits = self.forward(self.tokens, cache=self.cache)[0]
+                self.step_logits = forward(self.tokens, cache=self.cache)[0]
+                self.chosen = self.pick(self.step_logits)
+                self.tokens.copy_(self.chosen[:, None])
+                self.position += 1
 
 
 def decoding_step(model: nn.Module, call: Callable) -> Callable:

@@ -147,18 +147,24 @@ STATIC_CASES = [
 ]
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1].argmax(-1)
+
+
 @pytest.mark.parametrize("position, attention", STATIC_CASES)
 @torch.inference_mode()
 def test_static_cache_steps_give_the_kv_cache_logits_across_a_restart(position, attention):
     model = tiny_gpt(VOCAB, position, block_size=8, **attention)
-    cached, static = CachedDecoding(model), StaticDecoding(model)
+    cached, static = CachedDecoding(model, greedy), StaticDecoding(model, greedy)
     logits = []
     # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before
     for context in (torch.randint(VOCAB, (2, 5)), torch.randint(VOCAB, (2, 4))):
-        logits.append((cached.start(context), static.start(context)))
+        assert torch.equal(cached.start(context), static.start(context))
+        logits.append((cached.logits, static.logits))
         for _ in range(3):
-            tokens = torch.randint(VOCAB, (2, 1))
-            logits.append((cached.step(tokens), static.step(tokens)))
+            token = torch.randint(VOCAB, (2,))
+            assert torch.equal(cached.step(token), static.step(token))
+            logits.append((cached.logits, static.logits))
         assert static.length == cached.length == context.size(1) + 3
     slots = [layer._k.data_ptr() for layer in static.cache]
     static.start(torch.randint(VOCAB, (2, 6)))
@@ -169,13 +175,19 @@ def test_static_cache_steps_give_the_kv_cache_logits_across_a_restart(position, 
 
 @torch.inference_mode()
 def test_static_decoding_refuses_to_run_past_its_block():
-    static = StaticDecoding(tiny_gpt(VOCAB, block_size=8))
+    static = StaticDecoding(tiny_gpt(VOCAB, block_size=8), greedy)
     static.start(torch.randint(VOCAB, (1, 8)))
     with pytest.raises(ValueError, match=r"holds 8 positions \(model.block_size\), asked for 9"):
-        static.step(torch.randint(VOCAB, (1, 1)))
+        static.step(torch.randint(VOCAB, (1,)))
     with pytest.raises(ValueError, match="asked for 9"):
         static.start(torch.randint(VOCAB, (1, 9)))
     assert static.length == 8  # a refused call changes nothing
+
+
+def test_a_compiled_step_needs_the_static_cache():
+    steps = generate(tiny_gpt(VOCAB), torch.zeros((1, 1), dtype=torch.long), 3, compile_step=True)
+    with pytest.raises(ValueError, match="compile_step=True compiles StaticDecoding's step"):
+        next(steps)
 
 
 def test_a_static_cache_needs_the_cache():
@@ -190,38 +202,67 @@ def test_a_static_cache_needs_the_cache():
         next(steps)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@needs_gpu
 @pytest.mark.parametrize("position, attention", STATIC_CASES)
 @torch.inference_mode()
 def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device(
     position, attention
 ):
     model = tiny_gpt(VOCAB, position, block_size=8, **attention).cuda()
-    cached, static = CachedDecoding(model), StaticDecoding(model)
+    cached, static = CachedDecoding(model, greedy), StaticDecoding(model, greedy)
     logits, graph = [], None
     # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before, which
     # the graph captured in the first run then reads past
     for context in (torch.randint(VOCAB, (2, 5)), torch.randint(VOCAB, (2, 4))):
         context = context.cuda()
-        logits.append((cached.start(context), static.start(context)))
-        tokens = torch.randint(VOCAB, (2, 1), device="cuda")
-        logits.append((cached.step(tokens), static.step(tokens)))  # the first captures
-        graph = graph or static.graph
-        assert static.graph is graph is not None  # the restart replays the same graph
-        steps, before = [], torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")  # a replay that read a number back would raise
+        cached.start(context)
+        static.start(context)
+        logits.append((cached.logits, static.logits))
+        tokens = [torch.randint(VOCAB, (2,), device="cuda")]  # the caller's: copied in
+        static_logits, before = [], torch.cuda.get_sync_debug_mode()
         try:
-            for _ in range(2):
-                last = steps[-1][1] if steps else logits[-1][1]
-                tokens = last[:, -1].argmax(-1, keepdim=True)  # greedy, on the device
-                steps.append((tokens, static.step(tokens)))
+            for step in range(3):
+                if step == 1:  # after the capture, a replay that read a number back would raise
+                    torch.cuda.set_sync_debug_mode("error")
+                # from the second step on, the input is the graph's own choice, already in place
+                tokens.append(static.step(tokens[-1]))
+                static_logits.append(static.logits.clone())
         finally:
             torch.cuda.set_sync_debug_mode(before)
-        for tokens, step_logits in steps:
-            logits.append((cached.step(tokens), step_logits))
+        graph = graph or static.graph
+        assert static.graph is graph is not None  # the restart replays the same graph
+        for token, chosen, step_logits in zip(tokens[:-1], tokens[1:], static_logits, strict=True):
+            assert torch.equal(chosen, greedy(step_logits))  # the graph picked from its logits
+            cached.step(token)
+            logits.append((cached.logits, step_logits))
     assert static.length == cached.length == 4 + 3
     for kv_cache, static_cache in logits:
         torch.testing.assert_close(static_cache, kv_cache, atol=1e-3, rtol=1e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_static_decoding_on_a_gpu_gives_the_kv_cache_tokens_and_samples_reproducibly(
+    compile_step,
+):
+    model = tiny_gpt(VOCAB, "rope", block_size=8).cuda()
+    idx = torch.randint(VOCAB, (2, 3)).cuda()
+    static = {"static_cache": True, "compile_step": compile_step}
+    # 20 tokens after 3: the cache restarts from half a block twice
+    cached = run(model, idx, 20, greedy=True)
+    assert torch.equal(run(model, idx, 20, greedy=True, **static), cached)
+
+    def sample(seed):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        return run(model, idx, 20, temperature=1.5, top_k=20, generator=generator, **static)
+
+    first, again, other = sample(1234), sample(1234), sample(4321)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert ((first >= 0) & (first < VOCAB)).all()
 
 
 @torch.no_grad()
