@@ -6,12 +6,14 @@
   with its caches (decoder self-attention KV cache + cross-attention keys/values of the
   memory, computed once) and without them.
 
-    python bench/generate_speed.py [--device cuda] [--repeats 5] [--cuda-graph [--compile-step]]
+    python bench/generate_speed.py [--device cuda] [--repeats 5] \
+        [--cuda-graph [--compile-step] [--tokens-per-replay 8]]
 
 With --cuda-graph the GPT's cached side decodes through StaticDecoding (model/generation.py):
-on a GPU each step after the first is a replay of one CUDA graph (on the CPU the same steps run
-without a graph, each reading the whole block_size-long cache); with --compile-step too, the
-graph records the step compiled (the warm-up run compiles it).
+on a GPU its steps are replays of CUDA graphs, each making --tokens-per-replay tokens (on the
+CPU the same steps run one by one without a graph, each reading the whole block_size-long
+cache); with --compile-step too, the graphs record the step compiled (the warm-up run
+compiles it).
 
 The two sides run alternately, a cached run and then an uncached one, `--repeats` pairs after a
 warm-up of each; the table gives each side's median and the median (min-max) of the per-pair
@@ -63,7 +65,7 @@ def cached_against_uncached(run, repeats: int, device: torch.device) -> dict:
 
 
 def gpt_speed(
-    device: torch.device, repeats: int, cuda_graph: bool, compile_step: bool
+    device: torch.device, repeats: int, cuda_graph: bool, compile_step: bool, per_replay: int
 ) -> tuple[dict, int, bool]:
     """The pairs' figures, the tokens a run makes, and whether the two sides agree (on the first
     255 tokens: past the block the uncached side slides its context one token at a time, while
@@ -83,6 +85,7 @@ def gpt_speed(
             use_cache=use_cache,
             static_cache=static_cache,
             compile_step=static_cache and compile_step,
+            tokens_per_replay=per_replay,
             greedy=True,
         )
         return torch.stack(list(steps), dim=1)
@@ -137,6 +140,9 @@ def main() -> None:
     parser.add_argument(
         "--compile-step", action="store_true", help="with --cuda-graph: the graph's step compiled"
     )
+    parser.add_argument(
+        "--tokens-per-replay", type=int, default=8, help="with --cuda-graph: tokens a graph makes"
+    )
     args = parser.parse_args()
     if args.compile_step and not args.cuda_graph:
         parser.error("--compile-step compiles the CUDA graph's step: add --cuda-graph")
@@ -148,9 +154,13 @@ def main() -> None:
         "| same greedy output |"
     )
     print("|---|---|---|---|---|")
-    gpt = gpt_speed(device, args.repeats, args.cuda_graph, args.compile_step)
-    graph = ", cached side: StaticDecoding" if args.cuda_graph else ""
-    graph += ", compiled" if args.compile_step else ""
+    gpt = gpt_speed(
+        device, args.repeats, args.cuda_graph, args.compile_step, args.tokens_per_replay
+    )
+    graph = ""
+    if args.cuda_graph:
+        graph = f", cached side: StaticDecoding, {args.tokens_per_replay} tokens a replay"
+        graph += ", compiled" if args.compile_step else ""
     print(row(f"GPT 6x384, block 256, {NEW_TOKENS} new tokens{graph}", gpt))
     encdec = encdec_speed(device, args.repeats)
     print(row(f"encoder-decoder 3+3x128, {encdec[1]} new tokens", encdec))

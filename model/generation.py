@@ -64,6 +64,7 @@ def generate(
     use_cache: bool = True,
     static_cache: bool = False,
     compile_step: bool = False,
+    tokens_per_replay: int = 8,
     vocab_size: int | None = None,
     **sampling,
 ) -> Iterator[Tensor]:
@@ -73,8 +74,8 @@ def generate(
     The KV cache makes a step cost one position instead of the whole context. The context is
     the last block_size tokens; when the cache fills up it is rebuilt from the last half block,
     so that the cost of re-reading the context is paid once every block_size/2 tokens.
-    static_cache (with use_cache) decodes through StaticDecoding: on a GPU, CUDA graphs, whose
-    step compile_step compiles first.
+    static_cache (with use_cache) decodes through StaticDecoding: on a GPU, CUDA graphs of
+    tokens_per_replay steps each, whose step compile_step compiles first.
     """
     if static_cache and not use_cache:
         raise ValueError("static_cache=True is a KV cache: it needs use_cache=True")
@@ -88,7 +89,8 @@ def generate(
     if not use_cache:
         decoding = UncachedDecoding(model, pick)
     elif static_cache:
-        decoding = StaticDecoding(model, pick, sampling.get("generator"), compile_step)
+        generator = sampling.get("generator")
+        decoding = StaticDecoding(model, pick, generator, compile_step, tokens_per_replay)
     else:
         decoding = CachedDecoding(model, pick)
     context = idx[:, -block_size:]
@@ -160,21 +162,26 @@ class CachedDecoding:
 
 class StaticDecoding:
     """CachedDecoding's steps with a StaticKVCache per layer, whose shapes and memory never
-    change. On a GPU the first step is captured as a CUDA graph and every later one replays it:
-    at batch 1 a step is a hundred-odd small kernels, which take longer to launch one by one
-    from Python than to run. The graph holds the whole step: the forward pass, the choice of the
-    next tokens (`pick`, sampling included: a CUDA `generator` is registered with the graph),
-    writing them where the next replay reads its input, and advancing the position, so that
-    the host launches a replay and a copy of its tokens per step and never waits for the device.
-    With compile_step the graph records the forward pass compiled (torch.compile, static shapes):
+    change. On a GPU the steps are captured as CUDA graphs and replayed: at batch 1 a step is a
+    hundred-odd small kernels, which take longer to launch one by one from Python than to run.
+    A graph holds whole steps: the forward pass, the choice of the next tokens (`pick`, sampling
+    included: a CUDA `generator` is registered with the graph), writing them where the next step
+    reads its input, and advancing the position; and tokens_per_replay such steps in a row, so
+    that the host launches one replay and one copy of its tokens per tokens_per_replay tokens
+    and never waits for the device. The tokens a replay makes ahead are handed out by the steps
+    that follow; a step given other tokens than the last ones handed out, or a start(), drops
+    them. Near the end of the block, where tokens_per_replay positions no longer fit, a second
+    graph makes one token per replay.
+
+    With compile_step the graphs record the forward pass compiled (torch.compile, static shapes):
     a few dozen fused kernels in place of the hundred-odd, for a compilation on the first step
     (once per process and model; Inductor's caches keep it for later processes).
-    On the CPU the steps run as they are (slower than CachedDecoding: each reads all block_size
-    slots), which lets a test set them against CachedDecoding's.
+    On the CPU the steps run one by one as they are (slower than CachedDecoding: each reads all
+    block_size slots), which lets a test set them against CachedDecoding's.
 
-    start() runs outside the graph (its length varies), into the same caches, from position 0:
+    start() runs outside the graphs (its length varies), into the same caches, from position 0:
     slots left from before lie after the queries, where causality hides them. Each instance
-    captures its own graph, on its first step: generate() makes one per call.
+    captures its own graphs, on its first steps: generate() makes one per call.
     """
 
     def __init__(
@@ -183,56 +190,79 @@ class StaticDecoding:
         pick: Pick,
         generator: torch.Generator | None = None,
         compile_step: bool = False,
+        tokens_per_replay: int = 8,
     ):
+        if tokens_per_replay < 1:
+            raise ValueError(f"tokens_per_replay={tokens_per_replay}: make it 1 or more")
         self.forward = decoding_step(model, model)
-        self.compile_step = compile_step
+        self.step_forward = self.forward  # what the graphs record: compiled, with compile_step
         self.pick = pick
         self.generator = generator
+        self.compile_step = compile_step
+        self.tokens_per_replay = tokens_per_replay
         self.max_len = model.config.block_size
         device = next(model.parameters()).device
         self.position = torch.zeros((), dtype=torch.long, device=device)
         self.cache = model.new_static_cache(self.position)
-        self.length = 0  # the host's copy of position, so that it never reads the device's
+        self.length = 0  # the positions handed out, which the host knows without asking
+        self.device_length = 0  # where the device's position stands once its queue has run
         self.on_gpu = device.type == "cuda"
-        self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
-        # the graph's memory: its input tokens (B, 1), its logits (B, 1, V) and its choice (B,)
-        self.tokens: Tensor | None = None
-        self.step_logits: Tensor | None = None
-        self.chosen: Tensor | None = None
-        self.chosen_copy: Tensor | None = None  # what the last step returned
+        # per tokens a replay makes: its graph, and its logits (N, B, 1, V) and tokens (N, B)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[int, Tensor] = {}
+        self.graph_tokens: dict[int, Tensor] = {}
+        self.tokens: Tensor | None = None  # the graphs' input (B, 1)
+        self.ahead: list[tuple[Tensor, Tensor]] = []  # made, not yet handed out: (tokens, logits)
+        self.handed_out: Tensor | None = None  # what the last step returned
 
     def start(self, context: Tensor) -> Tensor:
         self._check_room(context.size(1), from_position=0)
         self.position.fill_(0)
         self.logits = self.forward(context, cache=self.cache)[0]
         self.position.fill_(context.size(1))
-        self.length = context.size(1)
+        self.length = self.device_length = context.size(1)
+        self.ahead, self.handed_out = [], None
         return self.pick(self.logits)
 
     def step(self, token: Tensor) -> Tensor:
         """The next tokens (B,) after token (B,): a tensor of their own, which later steps
-        leave as they are. self.logits holds the logits (B, 1, V) until the next step."""
+        leave as they are. self.logits holds their logits (B, 1, V) until the next replay."""
         self._check_room(1, from_position=self.length)
         if not self.on_gpu:
             self.logits = self.forward(token[:, None], cache=self.cache)[0]
             self.position += 1
             self.length += 1
             return self.pick(self.logits)
-        if self.graph is None:
-            self._capture(token)
-        elif token is not self.chosen_copy:  # the graph already holds its own last choice
-            if token.shape != self.chosen.shape:
-                raise ValueError(
-                    f"a step of {tuple(token.shape)} tokens, but the graph was captured for "
-                    f"{tuple(self.chosen.shape)}: make a StaticDecoding per batch size"
-                )
-            self.tokens.copy_(token[:, None])
-        self.graph.replay()
+        if not (self.ahead and token is self.handed_out):
+            self._replay(token)
+        self.handed_out, self.logits = self.ahead.pop(0)
         self.length += 1
-        self.logits = self.step_logits
-        self.chosen_copy = self.chosen.clone()  # the next replay overwrites the graph's tokens
-        return self.chosen_copy
+        return self.handed_out
+
+    def _replay(self, token: Tensor) -> None:
+        """Run the graph that makes as many tokens as fit after token (B,), capturing it first
+        if it is new, and keep what it made in self.ahead."""
+        count = self.tokens_per_replay
+        if self.length + count > self.max_len:
+            count = 1
+        if self.tokens is None:
+            self._warm_up(token)
+        if token.shape != self.tokens.shape[:1]:
+            raise ValueError(
+                f"a step of {tuple(token.shape)} tokens, but the graphs were captured for "
+                f"{tuple(self.tokens.shape[:1])}: make a StaticDecoding per batch size"
+            )
+        if token is not self.handed_out or self.device_length != self.length:
+            self.tokens.copy_(token[:, None])  # else the graph left its last token in place
+        if self.device_length != self.length:  # tokens made ahead were dropped
+            self.position.fill_(self.length)
+        if count not in self.graphs:
+            self._capture(count)
+        self.graphs[count].replay()
+        self.device_length = self.length + count
+        made = self.graph_tokens[count].clone()  # the next replay overwrites the graph's own
+        self.ahead = list(zip(made, self.graph_logits[count], strict=True))
 
     def _check_room(self, positions: int, from_position: int) -> None:
         """The host knows the length, so an overrun fails here, not as a device-side assert that
@@ -243,30 +273,38 @@ class StaticDecoding:
                 f"{from_position + positions}: start again from a shorter context"
             )
 
-    def _capture(self, token: Tensor) -> None:
-        """Record one step on token (B,) as a graph, which leaves its input ready for the next
-        replay. The warm-up forward passes, on a side stream as CUDA graphs require, set up the
-        libraries' handles and workspaces outside the capture; they write the same position
-        that the step then writes again."""
+    def _warm_up(self, token: Tensor) -> None:
+        """Make the graphs' input from token (B,) and run the step twice (compiling it, with
+        compile_step) on a side stream, as CUDA graphs require, to set up the libraries'
+        handles and workspaces outside any capture. Both runs write the position that the first
+        replay then writes again."""
         self.tokens = token[:, None].clone()
-        forward = self.forward
-        if self.compile_step:  # the first warm-up compiles
-            forward = torch.compile(forward, fullgraph=True, dynamic=False)
+        if self.compile_step:
+            self.step_forward = torch.compile(self.forward, fullgraph=True, dynamic=False)
         with torch.cuda.device(self.position.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    forward(self.tokens, cache=self.cache)
+                    self.step_forward(self.tokens, cache=self.cache)
             torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            if self.generator is not None:
-                self.graph.register_generator_state(self.generator)
-            with torch.cuda.graph(self.graph):
-                self.step_logits = forward(self.tokens, cache=self.cache)[0]
-                self.chosen = self.pick(self.step_logits)
-                self.tokens.copy_(self.chosen[:, None])
+
+    def _capture(self, count: int) -> None:
+        """Record `count` steps in a row as one graph, which leaves its input ready for the
+        next replay."""
+        graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            graph.register_generator_state(self.generator)
+        logits, tokens = [], []
+        with torch.cuda.device(self.position.device), torch.cuda.graph(graph):
+            for _ in range(count):
+                logits.append(self.step_forward(self.tokens, cache=self.cache)[0])
+                tokens.append(self.pick(logits[-1]))
+                self.tokens.copy_(tokens[-1][:, None])
                 self.position += 1
+            self.graph_logits[count] = torch.stack(logits)
+            self.graph_tokens[count] = torch.stack(tokens)
+        self.graphs[count] = graph
 
 
 def decoding_step(model: nn.Module, call: Callable) -> Callable:

@@ -207,15 +207,18 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph
 
 @needs_gpu
 @pytest.mark.parametrize("position, attention", STATIC_CASES)
+@pytest.mark.parametrize("tokens_per_replay", [1, 2])
 @torch.inference_mode()
-def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device(
-    position, attention
+def test_static_decoding_on_a_gpu_replays_graphs_without_waiting_for_the_device(
+    position, attention, tokens_per_replay
 ):
     model = tiny_gpt(VOCAB, position, block_size=8, **attention).cuda()
-    cached, static = CachedDecoding(model, greedy), StaticDecoding(model, greedy)
-    logits, graph = [], None
+    cached = CachedDecoding(model, greedy)
+    static = StaticDecoding(model, greedy, tokens_per_replay=tokens_per_replay)
+    logits, graphs = [], {}
     # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before, which
-    # the graph captured in the first run then reads past
+    # the graphs captured in the first run then read past. Two tokens a replay: the first two
+    # steps are one replay, the third a replay of the one-token graph, as two would not fit.
     for context in (torch.randint(VOCAB, (2, 5)), torch.randint(VOCAB, (2, 4))):
         context = context.cuda()
         cached.start(context)
@@ -232,8 +235,9 @@ def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device
                 static_logits.append(static.logits.clone())
         finally:
             torch.cuda.set_sync_debug_mode(before)
-        graph = graph or static.graph
-        assert static.graph is graph is not None  # the restart replays the same graph
+        graphs = graphs or dict(static.graphs)
+        assert sorted(graphs) == sorted({tokens_per_replay, 1})
+        assert all(static.graphs[count] is graph for count, graph in graphs.items())
         for token, chosen, step_logits in zip(tokens[:-1], tokens[1:], static_logits, strict=True):
             assert torch.equal(chosen, greedy(step_logits))  # the graph picked from its logits
             cached.step(token)
@@ -244,13 +248,40 @@ def test_static_decoding_on_a_gpu_replays_a_graph_without_waiting_for_the_device
 
 
 @needs_gpu
-@pytest.mark.parametrize("compile_step", [False, True])
+@torch.inference_mode()
+def test_static_decoding_drops_the_tokens_made_ahead_when_given_others():
+    model = tiny_gpt(VOCAB, "rope", block_size=16).cuda()
+    cached = CachedDecoding(model, greedy)
+    static = StaticDecoding(model, greedy, tokens_per_replay=4)
+    context = torch.randint(VOCAB, (2, 3)).cuda()
+    cached.start(context)
+    token = static.start(context)
+    for step in range(10):
+        if step in (2, 7):  # halfway through a replay's tokens, tokens of the caller's own
+            token = torch.randint(VOCAB, (2,), device="cuda")
+        cached.step(token)
+        token = static.step(token)
+        torch.testing.assert_close(static.logits, cached.logits, atol=1e-3, rtol=1e-3)
+    assert static.length == cached.length == 3 + 10
+
+
+def test_a_replay_makes_at_least_one_token():
+    with pytest.raises(ValueError, match="tokens_per_replay=0: make it 1 or more"):
+        StaticDecoding(tiny_gpt(VOCAB), greedy, tokens_per_replay=0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("compile_step, tokens_per_replay", [(False, 1), (False, 3), (True, 3)])
 def test_static_decoding_on_a_gpu_gives_the_kv_cache_tokens_and_samples_reproducibly(
-    compile_step,
+    compile_step, tokens_per_replay
 ):
     model = tiny_gpt(VOCAB, "rope", block_size=8).cuda()
     idx = torch.randint(VOCAB, (2, 3)).cuda()
-    static = {"static_cache": True, "compile_step": compile_step}
+    static = {
+        "static_cache": True,
+        "compile_step": compile_step,
+        "tokens_per_replay": tokens_per_replay,
+    }
     # 20 tokens after 3: the cache restarts from half a block twice
     cached = run(model, idx, 20, greedy=True)
     assert torch.equal(run(model, idx, 20, greedy=True, **static), cached)
