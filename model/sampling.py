@@ -29,7 +29,8 @@ class SamplingConfig:
     num_samples: int = 1
     seed: int = 1
     use_cache: bool = True
-    cuda_graph: bool = False  # GPT on a GPU: replay each KV-cache step as one CUDA graph
+    cuda_graph: bool = False  # GPT on a GPU: replay the KV-cache steps as CUDA graphs
+    compile: bool = False  # with cuda_graph: the graphs' step compiled (torch.compile) first
     attention_plot: str | None = None  # PNG of the attention: GPT self-, encoder-decoder cross-
 
     def __post_init__(self) -> None:
@@ -50,6 +51,11 @@ class SamplingConfig:
             raise ValueError(
                 "cuda_graph=true replays a KV-cache step: it needs use_cache=true (or drop "
                 "cuda_graph)"
+            )
+        if self.compile and not self.cuda_graph:
+            raise ValueError(
+                "compile=true compiles the step that cuda_graph=true replays: add cuda_graph=true "
+                "(or drop compile)"
             )
         if not self.prompt:
             raise ValueError('prompt is empty: give at least one character, e.g. prompt="\\n"')
@@ -102,6 +108,7 @@ def stream_samples(
             config.max_new_tokens,
             use_cache=config.use_cache,
             static_cache=config.cuda_graph,
+            compile_step=config.compile,
             vocab_size=tokenizer.vocab_size,
             **config.sampling_kwargs(generator),
         )

@@ -86,6 +86,8 @@ CASES = [
      "error: cuda_graph=true replays a KV-cache step: it needs use_cache=true"),
     ("cuda_graph_on_the_cpu", "generate.py", ["ckpt={run}", "cuda_graph=true", "device=cpu"],
      "error: cuda_graph=true needs a GPU, and decoding runs on cpu: use device=cuda"),
+    ("compile_without_cuda_graph", "generate.py", ["ckpt={run}", "compile=true"],
+     "error: compile=true compiles the step that cuda_graph=true replays: add cuda_graph=true"),
     ("zero_temperature", "generate.py", ["ckpt={run}", "temperature=0"],
      "error: temperature must be > 0, got 0: use decoding=greedy for argmax"),
     ("prompt_outside_vocabulary", "generate.py", ["ckpt={run}", "prompt='ROMEO☃'"],
