@@ -12,8 +12,9 @@
 With --cuda-graph the GPT's cached side decodes through StaticDecoding (model/generation.py):
 on a GPU its steps are replays of CUDA graphs, each making --tokens-per-replay tokens (on the
 CPU the same steps run one by one without a graph, each reading the whole block_size-long
-cache); with --compile-step too, the graphs record the step compiled (the warm-up run
-compiles it).
+cache); with --compile-step too (on a GPU), the graphs record the step's forward pass
+compiled (the warm-up run compiles it). Each run makes its own StaticDecoding, so its time
+includes the capture.
 
 The two sides run alternately, a cached run and then an uncached one, `--repeats` pairs after a
 warm-up of each; the table gives each side's median and the median (min-max) of the per-pair
@@ -138,14 +139,14 @@ def main() -> None:
         "--cuda-graph", action="store_true", help="the GPT's cached side replays a CUDA graph"
     )
     parser.add_argument(
-        "--compile-step", action="store_true", help="with --cuda-graph: the graph's step compiled"
+        "--compile-step", action="store_true", help="with --cuda-graph: the graphs' step compiled"
     )
     parser.add_argument(
         "--tokens-per-replay", type=int, default=8, help="with --cuda-graph: tokens a graph makes"
     )
     args = parser.parse_args()
-    if args.compile_step and not args.cuda_graph:
-        parser.error("--compile-step compiles the CUDA graph's step: add --cuda-graph")
+    if args.compile_step and (not args.cuda_graph or args.device == "cpu"):
+        parser.error("--compile-step compiles the CUDA graphs' step: add --cuda-graph on a GPU")
     device = torch.device(args.device)
     torch.manual_seed(0)
     print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")

@@ -81,6 +81,8 @@ def generate(
         raise ValueError("static_cache=True is a KV cache: it needs use_cache=True")
     if compile_step and not static_cache:
         raise ValueError("compile_step=True compiles StaticDecoding's step: it needs static_cache")
+    if max_new_tokens == 0:
+        return
     block_size = model.config.block_size
 
     def pick(logits: Tensor) -> Tensor:
@@ -162,26 +164,29 @@ class CachedDecoding:
 
 class StaticDecoding:
     """CachedDecoding's steps with a StaticKVCache per layer, whose shapes and memory never
-    change. On a GPU the steps are captured as CUDA graphs and replayed: at batch 1 a step is a
-    hundred-odd small kernels, which take longer to launch one by one from Python than to run.
-    A graph holds whole steps: the forward pass, the choice of the next tokens (`pick`, sampling
-    included: a CUDA `generator` is registered with the graph), writing them where the next step
-    reads its input, and advancing the position; and tokens_per_replay such steps in a row, so
-    that the host launches one replay and one copy of its tokens per tokens_per_replay tokens
-    and never waits for the device. The tokens a replay makes ahead are handed out by the steps
-    that follow; a step given other tokens than the last ones handed out, or a start(), drops
-    them. Near the end of the block, where tokens_per_replay positions no longer fit, a second
-    graph makes one token per replay.
+    change, run tokens_per_replay steps at a time. On a GPU those runs are captured as CUDA
+    graphs and replayed: at batch 1 a step is a hundred-odd small kernels, which take longer to
+    launch one by one from Python than to run.
 
-    With compile_step the graphs record the forward pass compiled (torch.compile, static shapes):
-    a few dozen fused kernels in place of the hundred-odd, for a compilation on the first step
-    (once per process and model; Inductor's caches keep it for later processes).
-    On the CPU the steps run one by one as they are (slower than CachedDecoding: each reads all
-    block_size slots), which lets a test set them against CachedDecoding's.
+    A run holds whole steps: the forward pass, the choice of the next tokens (`pick`, sampling
+    included: a CUDA `generator` is registered with the graphs), writing them where the next
+    step reads its input, and advancing the position. So after the first step (which captures
+    the graphs) the host launches one replay and one copy of its tokens per tokens_per_replay
+    tokens, and waits for the device only where the caller reads a token. The tokens a run
+    makes ahead are handed out by the steps that follow; a step given other tokens than the last
+    one handed out, or a start(), drops them. Near the end of the block, where tokens_per_replay
+    positions no longer fit, runs make one token each.
+
+    With compile_step the graphs record the forward pass compiled (torch.compile, static shapes,
+    on a GPU only): fewer, fused kernels, for a compilation on the first step (once per process
+    and model; Inductor's caches keep it for later processes). On the CPU the runs are plain
+    calls (each step slower than CachedDecoding's: it reads all block_size slots), which lets a
+    test set them against CachedDecoding's.
 
     start() runs outside the graphs (its length varies), into the same caches, from position 0:
     slots left from before lie after the queries, where causality hides them. Each instance
-    captures its own graphs, on its first steps: generate() makes one per call.
+    captures its own graphs, on its first step, for the batch size of its first start():
+    generate() makes one per call.
     """
 
     def __init__(
@@ -195,74 +200,92 @@ class StaticDecoding:
         if tokens_per_replay < 1:
             raise ValueError(f"tokens_per_replay={tokens_per_replay}: make it 1 or more")
         self.forward = decoding_step(model, model)
-        self.step_forward = self.forward  # what the graphs record: compiled, with compile_step
+        device = next(model.parameters()).device
+        self.on_gpu = device.type == "cuda"
+        self.step_forward = self.forward  # what the runs call, and the graphs record
+        if compile_step and self.on_gpu:
+            self.step_forward = torch.compile(self.forward, fullgraph=True, dynamic=False)
         self.pick = pick
         self.generator = generator
-        self.compile_step = compile_step
         self.tokens_per_replay = tokens_per_replay
         self.max_len = model.config.block_size
-        device = next(model.parameters()).device
         self.position = torch.zeros((), dtype=torch.long, device=device)
         self.cache = model.new_static_cache(self.position)
         self.length = 0  # the positions handed out, which the host knows without asking
-        self.device_length = 0  # where the device's position stands once its queue has run
-        self.on_gpu = device.type == "cuda"
+        self.batch: int | None = None  # the caches', set by the first start()
         self.logits: Tensor | None = None
+        self.tokens: Tensor | None = None  # a run's input (B, 1), which it leaves for the next
         # per tokens a replay makes: its graph, and its logits (N, B, 1, V) and tokens (N, B)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, Tensor] = {}
         self.graph_tokens: dict[int, Tensor] = {}
-        self.tokens: Tensor | None = None  # the graphs' input (B, 1)
         self.ahead: list[tuple[Tensor, Tensor]] = []  # made, not yet handed out: (tokens, logits)
         self.handed_out: Tensor | None = None  # what the last step returned
 
     def start(self, context: Tensor) -> Tensor:
         self._check_room(context.size(1), from_position=0)
+        if self.batch is not None and context.size(0) != self.batch:
+            raise ValueError(
+                f"a context of {context.size(0)} rows, but this StaticDecoding decodes "
+                f"{self.batch} (its caches and graphs are made for them): make a StaticDecoding "
+                "per batch size"
+            )
+        self.batch = context.size(0)
+        self.length, self.ahead, self.handed_out = 0, [], None
         self.position.fill_(0)
         self.logits = self.forward(context, cache=self.cache)[0]
         self.position.fill_(context.size(1))
-        self.length = self.device_length = context.size(1)
-        self.ahead, self.handed_out = [], None
+        self.length = context.size(1)
         return self.pick(self.logits)
 
     def step(self, token: Tensor) -> Tensor:
         """The next tokens (B,) after token (B,): a tensor of their own, which later steps
-        leave as they are. self.logits holds their logits (B, 1, V) until the next replay."""
+        leave as they are. self.logits holds their logits (B, 1, V) until the next run."""
+        if self.batch is None:
+            raise ValueError("a step before any start(): start from a context first")
         self._check_room(1, from_position=self.length)
-        if not self.on_gpu:
-            self.logits = self.forward(token[:, None], cache=self.cache)[0]
-            self.position += 1
-            self.length += 1
-            return self.pick(self.logits)
         if not (self.ahead and token is self.handed_out):
-            self._replay(token)
+            self._run(token)
         self.handed_out, self.logits = self.ahead.pop(0)
         self.length += 1
         return self.handed_out
 
-    def _replay(self, token: Tensor) -> None:
-        """Run the graph that makes as many tokens as fit after token (B,), capturing it first
-        if it is new, and keep what it made in self.ahead."""
+    def _run(self, token: Tensor) -> None:
+        """Make as many tokens as fit after token (B,), and keep them in self.ahead."""
+        if token.shape != (self.batch,):
+            raise ValueError(
+                f"a step of {tuple(token.shape)} tokens, but this StaticDecoding decodes "
+                f"{self.batch} rows: give one token per row, or make a StaticDecoding per batch "
+                "size"
+            )
         count = self.tokens_per_replay
         if self.length + count > self.max_len:
             count = 1
         if self.tokens is None:
-            self._warm_up(token)
-        if token.shape != self.tokens.shape[:1]:
-            raise ValueError(
-                f"a step of {tuple(token.shape)} tokens, but the graphs were captured for "
-                f"{tuple(self.tokens.shape[:1])}: make a StaticDecoding per batch size"
-            )
-        if token is not self.handed_out or self.device_length != self.length:
-            self.tokens.copy_(token[:, None])  # else the graph left its last token in place
-        if self.device_length != self.length:  # tokens made ahead were dropped
+            self.tokens = token[:, None].clone()
+            if self.on_gpu:
+                self._capture_graphs()
+        elif token is not self.handed_out:  # else the last run left it in place
+            self.tokens.copy_(token[:, None])
+        if self.ahead:  # dropped: the position goes back to the last token handed out
             self.position.fill_(self.length)
-        if count not in self.graphs:
-            self._capture(count)
-        self.graphs[count].replay()
-        self.device_length = self.length + count
-        made = self.graph_tokens[count].clone()  # the next replay overwrites the graph's own
-        self.ahead = list(zip(made, self.graph_logits[count], strict=True))
+        if self.on_gpu:
+            self.graphs[count].replay()
+            made = self.graph_tokens[count].clone()  # the next replay overwrites the graph's own
+            self.ahead = list(zip(made, self.graph_logits[count], strict=True))
+        else:
+            self.ahead = list(zip(*self._steps(count), strict=True))
+
+    def _steps(self, count: int) -> tuple[Tensor, Tensor]:
+        """`count` steps from self.tokens, each leaving its token there and advancing the
+        position: their tokens (count, B) and logits (count, B, 1, V)."""
+        logits, tokens = [], []
+        for _ in range(count):
+            logits.append(self.step_forward(self.tokens, cache=self.cache)[0])
+            tokens.append(self.pick(logits[-1]))
+            self.tokens.copy_(tokens[-1][:, None])
+            self.position += 1
+        return torch.stack(tokens), torch.stack(logits)
 
     def _check_room(self, positions: int, from_position: int) -> None:
         """The host knows the length, so an overrun fails here, not as a device-side assert that
@@ -273,14 +296,12 @@ class StaticDecoding:
                 f"{from_position + positions}: start again from a shorter context"
             )
 
-    def _warm_up(self, token: Tensor) -> None:
-        """Make the graphs' input from token (B,) and run the step twice (compiling it, with
-        compile_step) on a side stream, as CUDA graphs require, to set up the libraries'
-        handles and workspaces outside any capture. Both runs write the position that the first
-        replay then writes again."""
-        self.tokens = token[:, None].clone()
-        if self.compile_step:
-            self.step_forward = torch.compile(self.forward, fullgraph=True, dynamic=False)
+    def _capture_graphs(self) -> None:
+        """Capture both runs, of tokens_per_replay tokens and of one, now: capturing makes the
+        host wait for the device, which it need not do later. Two warm-up steps first, on a
+        side stream as CUDA graphs require, set up the libraries' handles and workspaces (and
+        compile the step, with compile_step) outside any capture; they write the position that
+        the first replay writes again. Capturing records the steps without running them."""
         with torch.cuda.device(self.position.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -288,23 +309,13 @@ class StaticDecoding:
                 for _ in range(2):
                     self.step_forward(self.tokens, cache=self.cache)
             torch.cuda.current_stream().wait_stream(side)
-
-    def _capture(self, count: int) -> None:
-        """Record `count` steps in a row as one graph, which leaves its input ready for the
-        next replay."""
-        graph = torch.cuda.CUDAGraph()
-        if self.generator is not None:
-            graph.register_generator_state(self.generator)
-        logits, tokens = [], []
-        with torch.cuda.device(self.position.device), torch.cuda.graph(graph):
-            for _ in range(count):
-                logits.append(self.step_forward(self.tokens, cache=self.cache)[0])
-                tokens.append(self.pick(logits[-1]))
-                self.tokens.copy_(tokens[-1][:, None])
-                self.position += 1
-            self.graph_logits[count] = torch.stack(logits)
-            self.graph_tokens[count] = torch.stack(tokens)
-        self.graphs[count] = graph
+            for count in {self.tokens_per_replay, 1}:
+                graph = torch.cuda.CUDAGraph()
+                if self.generator is not None:
+                    graph.register_generator_state(self.generator)
+                with torch.cuda.graph(graph):
+                    self.graph_tokens[count], self.graph_logits[count] = self._steps(count)
+                self.graphs[count] = graph
 
 
 def decoding_step(model: nn.Module, call: Callable) -> Callable:

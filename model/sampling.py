@@ -30,7 +30,7 @@ class SamplingConfig:
     seed: int = 1
     use_cache: bool = True
     cuda_graph: bool = False  # GPT on a GPU: replay the KV-cache steps as CUDA graphs
-    compile: bool = False  # with cuda_graph: the graphs' step compiled (torch.compile) first
+    compile: bool = False  # with cuda_graph: the step's forward pass compiled before capture
     attention_plot: str | None = None  # PNG of the attention: GPT self-, encoder-decoder cross-
 
     def __post_init__(self) -> None:

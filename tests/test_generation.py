@@ -152,18 +152,26 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("position, attention", STATIC_CASES)
+@pytest.mark.parametrize("tokens_per_replay", [1, 2, 8])
 @torch.inference_mode()
-def test_static_cache_steps_give_the_kv_cache_logits_across_a_restart(position, attention):
+def test_static_cache_steps_give_the_kv_cache_logits_across_a_restart(
+    position, attention, tokens_per_replay
+):
     model = tiny_gpt(VOCAB, position, block_size=8, **attention)
-    cached, static = CachedDecoding(model, greedy), StaticDecoding(model, greedy)
+    cached = CachedDecoding(model, greedy)
+    static = StaticDecoding(model, greedy, tokens_per_replay=tokens_per_replay)
     logits = []
-    # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before
+    # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before. The
+    # first step feeds the caller's tokens, the others each decoding's own choice: a run of
+    # several tokens hands out the ones it made ahead.
     for context in (torch.randint(VOCAB, (2, 5)), torch.randint(VOCAB, (2, 4))):
         assert torch.equal(cached.start(context), static.start(context))
         logits.append((cached.logits, static.logits))
+        token = torch.randint(VOCAB, (2,))
         for _ in range(3):
-            token = torch.randint(VOCAB, (2,))
-            assert torch.equal(cached.step(token), static.step(token))
+            expected = cached.step(token)
+            token = static.step(token)
+            assert torch.equal(token, expected)
             logits.append((cached.logits, static.logits))
         assert static.length == cached.length == context.size(1) + 3
     slots = [layer._k.data_ptr() for layer in static.cache]
@@ -181,7 +189,21 @@ def test_static_decoding_refuses_to_run_past_its_block():
         static.step(torch.randint(VOCAB, (1,)))
     with pytest.raises(ValueError, match="asked for 9"):
         static.start(torch.randint(VOCAB, (1, 9)))
-    assert static.length == 8  # a refused call changes nothing
+    assert static.length == static.position.item() == 8  # a refused call changes nothing
+
+
+@torch.inference_mode()
+def test_static_decoding_refuses_another_batch_size_before_changing_anything():
+    static = StaticDecoding(tiny_gpt(VOCAB, block_size=8), greedy)
+    with pytest.raises(ValueError, match="a step before any start"):
+        static.step(torch.randint(VOCAB, (2,)))
+    static.start(torch.randint(VOCAB, (2, 3)))
+    with pytest.raises(ValueError, match="a context of 3 rows, but this StaticDecoding decodes 2"):
+        static.start(torch.randint(VOCAB, (3, 3)))
+    with pytest.raises(ValueError, match=r"a step of \(3,\) tokens, but this StaticDecoding"):
+        static.step(torch.randint(VOCAB, (3,)))
+    assert static.length == static.position.item() == 3
+    assert static.step(torch.randint(VOCAB, (2,))).shape == (2,)  # and it goes on
 
 
 def test_a_compiled_step_needs_the_static_cache():
@@ -217,8 +239,9 @@ def test_static_decoding_on_a_gpu_replays_graphs_without_waiting_for_the_device(
     static = StaticDecoding(model, greedy, tokens_per_replay=tokens_per_replay)
     logits, graphs = [], {}
     # 5 + 3 steps fill the block; the restart's 4 positions leave slots 4..7 from before, which
-    # the graphs captured in the first run then read past. Two tokens a replay: the first two
-    # steps are one replay, the third a replay of the one-token graph, as two would not fit.
+    # the graphs captured in the first run then read past. Two tokens a replay: in the first
+    # run the first two steps are one replay, the third a replay of the one-token graph, as
+    # two would not fit; both graphs are captured at the first step.
     for context in (torch.randint(VOCAB, (2, 5)), torch.randint(VOCAB, (2, 4))):
         context = context.cuda()
         cached.start(context)
@@ -247,22 +270,23 @@ def test_static_decoding_on_a_gpu_replays_graphs_without_waiting_for_the_device(
         torch.testing.assert_close(static_cache, kv_cache, atol=1e-3, rtol=1e-3)
 
 
-@needs_gpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
 @torch.inference_mode()
-def test_static_decoding_drops_the_tokens_made_ahead_when_given_others():
-    model = tiny_gpt(VOCAB, "rope", block_size=16).cuda()
+def test_static_decoding_drops_the_tokens_made_ahead_when_given_others(device):
+    model = tiny_gpt(VOCAB, "rope", block_size=16).to(device)
     cached = CachedDecoding(model, greedy)
     static = StaticDecoding(model, greedy, tokens_per_replay=4)
-    context = torch.randint(VOCAB, (2, 3)).cuda()
+    context = torch.randint(VOCAB, (2, 3)).to(device)
     cached.start(context)
     token = static.start(context)
     for step in range(10):
-        if step in (2, 7):  # halfway through a replay's tokens, tokens of the caller's own
-            token = torch.randint(VOCAB, (2,), device="cuda")
+        if step in (2, 7):  # halfway through a run's tokens, tokens of the caller's own
+            token = torch.randint(VOCAB, (2,)).to(device)
         cached.step(token)
         token = static.step(token)
         torch.testing.assert_close(static.logits, cached.logits, atol=1e-3, rtol=1e-3)
     assert static.length == cached.length == 3 + 10
+    assert static.position.item() == static.length + len(static.ahead)  # made ahead, kept
 
 
 def test_a_replay_makes_at_least_one_token():
