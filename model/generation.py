@@ -102,7 +102,8 @@ def generate(
         yield token
         if step == max_new_tokens - 1:
             return  # no forward pass for logits nobody will read
-        since_start.append(token)
+        if use_cache:  # the uncached decoding keeps its own context
+            since_start.append(token)
         if decoding.length < block_size:
             token = decoding.step(token)
         else:
