@@ -216,10 +216,10 @@ class StaticDecoding:
         self.batch: int | None = None  # the caches', set by the first start()
         self.logits: Tensor | None = None
         self.tokens: Tensor | None = None  # a run's input (B, 1), which it leaves for the next
-        # per tokens a replay makes: its graph, and its logits (N, B, 1, V) and tokens (N, B)
+        # per tokens a replay makes: its graph, and the tokens (N, B) and logits (N, B, 1, V)
+        # each replay writes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_logits: dict[int, Tensor] = {}
-        self.graph_tokens: dict[int, Tensor] = {}
+        self.graph_outputs: dict[int, tuple[Tensor, Tensor]] = {}
         self.ahead: list[tuple[Tensor, Tensor]] = []  # made, not yet handed out: (tokens, logits)
         self.handed_out: Tensor | None = None  # what the last step returned
 
@@ -272,8 +272,9 @@ class StaticDecoding:
             self.position.fill_(self.length)
         if self.on_gpu:
             self.graphs[count].replay()
-            made = self.graph_tokens[count].clone()  # the next replay overwrites the graph's own
-            self.ahead = list(zip(made, self.graph_logits[count], strict=True))
+            tokens, logits = self.graph_outputs[count]
+            made = tokens.clone()  # the next replay overwrites the graph's own
+            self.ahead = list(zip(made, logits, strict=True))
         else:
             self.ahead = list(zip(*self._steps(count), strict=True))
 
@@ -315,7 +316,7 @@ class StaticDecoding:
                 if self.generator is not None:
                     graph.register_generator_state(self.generator)
                 with torch.cuda.graph(graph):
-                    self.graph_tokens[count], self.graph_logits[count] = self._steps(count)
+                    self.graph_outputs[count] = self._steps(count)
                 self.graphs[count] = graph
 
 
