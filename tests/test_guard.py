@@ -89,25 +89,30 @@ def test_finite_steps_update_as_unguarded_and_after_a_skipped_one(device, kind):
 
 
 def test_muon_applies_the_flag_on_the_device_as_it_would_skip_on_the_host():
-    """The select MuonWithAdamW has Muon make off the CPU, run here on the CPU: unflagged steps
-    are the plain steps to the bit; a flagged one, its gradient NaN, changes neither the
-    weights nor the momentum."""
+    """The select MuonWithAdamW has Muon make off the CPU, run here on the CPU, for matrices
+    stepped together (two of one shape) and alone: unflagged steps are the plain steps to the
+    bit; a flagged one, its gradients NaN, changes neither the weights nor the momentum."""
     torch.manual_seed(0)
-    flagged = torch.nn.Parameter(torch.randn(3, 4))
-    plain = torch.nn.Parameter(flagged.detach().clone())
-    flagged_optimizer, plain_optimizer = Muon([flagged], lr=0.1), Muon([plain], lr=0.1)
+    shapes = [(3, 4), (3, 4), (4, 2)]
+    flagged = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    plain = [torch.nn.Parameter(weight.detach().clone()) for weight in flagged]
+    flagged_optimizer, plain_optimizer = Muon(flagged, lr=0.1), Muon(plain, lr=0.1)
     for _ in range(3):
-        flagged.grad = torch.randn(3, 4)
-        plain.grad = flagged.grad.clone()
+        for weight, twin in zip(flagged, plain, strict=True):
+            weight.grad = torch.randn(weight.shape)
+            twin.grad = weight.grad.clone()
         flagged_optimizer.step(found_inf=torch.tensor(0.0))
         plain_optimizer.step()
-    assert torch.equal(flagged, plain)
-    weights = flagged.detach().clone()
-    momentum = flagged_optimizer.state[flagged]["momentum_buffer"].clone()
-    flagged.grad = torch.full((3, 4), math.nan)
+    for weight, twin in zip(flagged, plain, strict=True):
+        assert torch.equal(weight, twin)
+    weights = [weight.detach().clone() for weight in flagged]
+    momenta = [flagged_optimizer.state[weight]["momentum_buffer"].clone() for weight in flagged]
+    for weight in flagged:
+        weight.grad = torch.full(weight.shape, math.nan)
     flagged_optimizer.step(found_inf=torch.tensor(1.0))
-    assert torch.equal(flagged, weights)
-    assert torch.equal(flagged_optimizer.state[flagged]["momentum_buffer"], momentum)
+    for weight, before, momentum in zip(flagged, weights, momenta, strict=True):
+        assert torch.equal(weight, before)
+        assert torch.equal(flagged_optimizer.state[weight]["momentum_buffer"], momentum)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a host only waits for a device")

@@ -49,9 +49,10 @@ def muon_gpt(seed: int = 0):
 
 
 def matrices(seed: int) -> list[torch.nn.Parameter]:
-    """A wide, a tall and a square weight matrix, each with a gradient."""
+    """A wide, two tall (which Muon steps together) and a square weight matrix, each with a
+    gradient."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = [(8, 24), (24, 8), (16, 16)]
+    shapes = [(8, 24), (24, 8), (16, 16), (24, 8)]
     weights = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
     for weight in weights:
         weight.grad = torch.randn(weight.shape, generator=generator)
