@@ -1,10 +1,13 @@
-"""One Muon step for a model's hidden weight matrices, Newton-Schulz in bf16 (as torch.optim.Muon
-always does) against fp32, alternating, on this machine's CPU:
+"""One Muon step for a model's hidden weight matrices, alternating: ours with Newton-Schulz in
+bf16 (as torch.optim.Muon always does) and in fp32, and torch.optim.Muon itself (torch >= 2.9),
+which orthogonalises one matrix at a time where ours stacks the matrices of one shape:
 
-    python bench/muon_step.py [--layers 4] [--width 128] [--repeats 7]
+    python bench/muon_step.py [--layers 4] [--width 128] [--repeats 7] [--device cpu|cuda]
 
-Prints the median milliseconds a step (min-max) for each and the median of the per-round
-ratios bf16 / fp32; on a CPU without bf16 units (training/precision.py) bf16 is emulated.
+Prints the median milliseconds a step (min-max) for each, and the medians of the per-round
+ratios bf16 / fp32 and torch's / ours in bf16 (the same arithmetic: tests/test_optimizers.py
+holds them equal to the bit). On a CPU without bf16 units (training/precision.py) bf16 is
+emulated.
 """
 
 import argparse
@@ -22,33 +25,57 @@ from training.optimizers import Muon  # noqa: E402
 from training.precision import cpu_capabilities, multiplies_bf16  # noqa: E402
 
 
+def ratio(times: dict[str, list[float]], side: str, other: str) -> str:
+    ratios = [a / b for a, b in zip(times[side], times[other], strict=True)]
+    return (
+        f"{side} / {other}: {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="steps timed per round")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     config = GPTConfig(n_layer=args.layers, n_embd=args.width, vocab_size=65)
-    decayed, _ = GPT(config).optimizer_groups(0.1)
+    decayed, _ = GPT(config).to(args.device).optimizer_groups(0.1)
     for weight in decayed["params"]:
         weight.grad = torch.randn_like(weight)
+    options = {"lr": 1e-3, "adjust_lr_fn": "match_rms_adamw"}
     optimizers = {
-        dtype: Muon([decayed], lr=1e-3, adjust_lr_fn="match_rms_adamw", ns_dtype=dtype)
-        for dtype in (torch.bfloat16, torch.float32)
+        "ours bf16": Muon([decayed], **options, ns_dtype=torch.bfloat16),
+        "ours fp32": Muon([decayed], **options, ns_dtype=torch.float32),
     }
-    steps = {dtype: optimizer.step for dtype, optimizer in optimizers.items()}
+    if hasattr(torch.optim, "Muon"):
+        optimizers["torch's"] = torch.optim.Muon([decayed], **options)
+
+    def timed_step(optimizer: torch.optim.Optimizer):
+        def step() -> None:
+            optimizer.step()
+            if args.device != "cpu":  # the step's kernels, not only their launches
+                torch.cuda.synchronize()
+
+        return step
+
+    steps = {side: timed_step(optimizer) for side, optimizer in optimizers.items()}
     seconds = alternating_seconds(steps, args.repeats, calls=args.steps)
-    times = {dtype: [s * 1e3 for s in values] for dtype, values in seconds.items()}
-    cpu = cpu_capabilities().get("cpu_name", "")
+    times = {side: [s * 1e3 for s in values] for side, values in seconds.items()}
+    if args.device == "cpu":
+        cpu = cpu_capabilities().get("cpu_name", "")
+        print(f"{cpu}, {torch.get_num_threads()} threads, bf16 units: {multiplies_bf16('cpu')}")
+    else:
+        print(torch.cuda.get_device_name(args.device))
     shapes = sorted({tuple(w.shape) for w in decayed["params"]})
-    print(f"{cpu}, {torch.get_num_threads()} threads, bf16 units: {multiplies_bf16('cpu')}")
     print(f"{len(decayed['params'])} matrices of shapes {shapes}; {args.repeats} rounds")
-    for dtype, values in times.items():
+    for side, values in times.items():
         median = statistics.median(values)
-        print(f"{str(dtype):>15}: {median:8.2f} ms a step ({min(values):.2f}-{max(values):.2f})")
-    ratios = [b / f for b, f in zip(times[torch.bfloat16], times[torch.float32], strict=True)]
-    print(f"bf16 / fp32: {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"{side:>10}: {median:8.2f} ms a step ({min(values):.2f}-{max(values):.2f})")
+    print(ratio(times, "ours bf16", "ours fp32"))
+    if "torch's" in times:
+        print(ratio(times, "torch's", "ours bf16"))
 
 
 if __name__ == "__main__":
