@@ -198,11 +198,12 @@ def run_nanogpt(
         for _, line in lines
         if (match := NANOGPT_ITER.match(line)) and int(match[1]) >= 10
     ]
-    validations = [  # its own estimate, printed as soon as it is computed
-        (seconds, float(match[2]))
+    evaluations = [  # (step, seconds from launch, loss) of its own estimate, once it is printed
+        (int(match[1]), seconds, float(match[2]))
         for seconds, line in lines
         if (match := NANOGPT_EVAL.match(line)) and int(match[1]) > 0
     ]
+    validations = [(seconds, loss) for _, seconds, loss in evaluations]
     tokens = recipe["shape"]["batch_size"] * recipe["shape"]["block_size"]
     return {
         "wall": wall,
@@ -213,6 +214,7 @@ def run_nanogpt(
         "to_target": seconds_to_target(validations, target),
         "best_val": min((loss for _, loss in validations), default=None),
         "full_val": nanogpt_full_val_loss(copy, out_dir / "ckpt.pt") if score else None,
+        "validations": evaluations,
     }
 
 
@@ -279,10 +281,9 @@ def run_ours(
 ) -> dict:
     wall, _ = timed(our_command(recipe, steps, text, run_dir, extra, own), ROOT)
     summary = json.loads((run_dir / "summary.json").read_text())
+    validation_rows = [row for row in summary["history"] if "val/loss" in row]
     validations = [  # the end of each validation, from launch
-        (summary["seconds_to_fit_start"] + row["time"], row["val/loss"])
-        for row in summary["history"]
-        if "val/loss" in row
+        (summary["seconds_to_fit_start"] + row["time"], row["val/loss"]) for row in validation_rows
     ]
     return {
         "wall": wall,
@@ -291,6 +292,10 @@ def run_ours(
         "to_target": seconds_to_target(validations, target),
         "best_val": summary["best_val_loss"],
         "full_val": our_full_val_loss(run_dir, (text / "val.txt").read_text()) if score else None,
+        "validations": [  # (step, seconds from launch, loss)
+            (row["step"], *validation)
+            for row, validation in zip(validation_rows, validations, strict=True)
+        ],
     }
 
 
@@ -313,6 +318,14 @@ def cell(value: float | None) -> str:
 
 def show(label: str, row: dict, columns: list[str]) -> None:
     print(f"{label:<16}" + "".join(f"{cell(row[key]):>16}" for key in columns), flush=True)
+
+
+def show_validations(row: dict) -> None:
+    """Each validation of a run as step: seconds from launch, loss."""
+    shown = ", ".join(
+        f"{step}: {seconds:.1f} s {loss:.4f}" for step, seconds, loss in row["validations"]
+    )
+    print(f"{'':<16}{shown}", flush=True)
 
 
 def median_and_spread(values: list[float | None]) -> str:
@@ -385,10 +398,14 @@ def main() -> None:
             run_nanogpt(copy, recipe, steps, nanogpt_dir, seed, target=target)
         )
         show(f"nanogpt {pair}", results["nanogpt"][-1], columns)
+        if target is not None:
+            show_validations(results["nanogpt"][-1])
         run_dir = scratch / f"ours-{pair}"
         seeded = [*extra, f"seed={seed}"]
         results["ours"].append(run_ours(recipe, steps, text, run_dir, seeded, own, target=target))
         show(f"ours {pair}", results["ours"][-1], columns)
+        if target is not None:
+            show_validations(results["ours"][-1])
 
     print("\nmedians (min-max)")
     for side, rows in results.items():
