@@ -47,7 +47,10 @@ def test_auto_is_the_cpu_without_a_gpu():
     assert fast_precision("auto") == fast_precision("cpu")
 
 
-@pytest.mark.parametrize("overrides", [["experiment=cpu_fast"], ["trainer=gpu"], ["trainer=ddp"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [["experiment=cpu_fast"], ["experiment=gpu_fast"], ["trainer=gpu"], ["trainer=ddp"]],
+)
 def test_recipes_resolve_to_a_precision_lightning_takes(overrides):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
