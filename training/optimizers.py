@@ -118,9 +118,10 @@ class Muon(Optimizer):
             torch.bfloat16 if multiplies_bf16(params[0].device.type) else torch.float32
         )
         stacked = torch.stack(updates) if len(updates) > 1 else updates[0]
+        # in the parameters' dtype (exact): with one dtype the foreach add is one fast kernel
         orthogonal = orthogonalized(
             stacked, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
-        )
+        ).to(params[0].dtype)
         stepped = params if skip is None else torch._foreach_mul(params, 1.0)
         torch._foreach_mul_(stepped, 1 - lr * group["weight_decay"])
         scale = -lr * rms_factor(group["adjust_lr_fn"], params[0].shape)
