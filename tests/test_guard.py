@@ -88,7 +88,8 @@ def test_finite_steps_update_as_unguarded_and_after_a_skipped_one(device, kind):
     assert [s.step for s in guard.skipped()] == [2]
 
 
-def test_muon_applies_the_flag_on_the_device_as_it_would_skip_on_the_host():
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_applies_the_flag_on_the_device_as_it_would_skip_on_the_host(nesterov):
     """The select MuonWithAdamW has Muon make off the CPU, run here on the CPU, for matrices
     stepped together (two of one shape) and alone: unflagged steps are the plain steps to the
     bit; a flagged one, its gradients NaN, changes neither the weights nor the momentum."""
@@ -96,7 +97,8 @@ def test_muon_applies_the_flag_on_the_device_as_it_would_skip_on_the_host():
     shapes = [(3, 4), (3, 4), (4, 2)]
     flagged = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     plain = [torch.nn.Parameter(weight.detach().clone()) for weight in flagged]
-    flagged_optimizer, plain_optimizer = Muon(flagged, lr=0.1), Muon(plain, lr=0.1)
+    flagged_optimizer = Muon(flagged, lr=0.1, nesterov=nesterov)
+    plain_optimizer = Muon(plain, lr=0.1, nesterov=nesterov)
     for _ in range(3):
         for weight, twin in zip(flagged, plain, strict=True):
             weight.grad = torch.randn(weight.shape)

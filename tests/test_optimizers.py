@@ -93,12 +93,12 @@ def test_muon_orthogonalises_in_bf16_only_where_the_device_multiplies_in_it():
 
 @pytest.mark.parametrize("shape", [(8, 24), (24, 8)])
 def test_newton_schulz_in_fp32_brings_singular_values_near_one_as_in_bf16(shape):
-    update = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    update = torch.randn((2, *shape), generator=torch.Generator().manual_seed(3))  # a stack
     coefficients = (3.4445, -4.7750, 2.0315)
     fp32 = orthogonalized(update, coefficients, 5, 1e-7, torch.float32)
     bf16 = orthogonalized(update, coefficients, 5, 1e-7, torch.bfloat16)
     assert fp32.dtype == torch.float32 and fp32.shape == update.shape
-    singular_values = torch.linalg.svdvals(fp32)
+    singular_values = torch.linalg.svdvals(fp32)  # of each matrix
     assert singular_values.min() > 0.5 and singular_values.max() < 1.3
     torch.testing.assert_close(fp32, bf16.float(), rtol=0, atol=0.05)
 

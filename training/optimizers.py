@@ -31,19 +31,18 @@ def closure_loss(closure) -> Tensor | None:
 def orthogonalized(
     update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype
 ) -> Tensor:
-    """Muon's quintic Newton-Schulz iteration in `dtype`: `update` (a matrix, or a stack of
-    matrices of one shape) with its singular values moved towards 1 (to about 0.5-1.5, which
-    trains as well as exactly 1), computed on the wide side of each matrix."""
+    """Muon's quintic Newton-Schulz iteration in `dtype`: `update`, a stack of matrices of one
+    shape, with the singular values of each moved towards 1 (to about 0.5-1.5, which trains as
+    well as exactly 1), computed on the wide side of the matrices."""
     a, b, c = coefficients
     tall = update.size(-2) > update.size(-1)
     x = update.to(dtype, copy=True)  # not the momentum buffer itself, which div_ would scale
     if tall:
         x = x.mT
     x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))  # spectral norm <= 1: converges
-    multiply_add = torch.addmm if x.dim() == 2 else torch.baddbmm
     for _ in range(steps):
         gram = x @ x.mT
-        x = multiply_add(x, multiply_add(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 
 
@@ -92,54 +91,48 @@ class Muon(Optimizer):
         a flagged step leaves the weights and momentum as they were, decided on the device, so
         that the host never waits to read the flag."""
         loss = closure_loss(closure)
-        # Without a flag the step writes in place; with one it writes copies, selected below.
         skip = None if found_inf is None else found_inf.bool()
         for group in self.param_groups:
-            for params in same_shapes(p for p in group["params"] if p.grad is not None):
-                self._step_stacked(group, params, skip)
+            for params in stackable(p for p in group["params"] if p.grad is not None):
+                self._step_stack(group, params, skip)
         return loss
 
-    def _step_stacked(self, group: dict, params: list[Tensor], skip: Tensor | None) -> None:
-        """Step matrices of one shape together: a few batched kernels for all of them, where one
-        matrix at a time launches some twenty each, which sets the pace of a small model's
-        step on a GPU."""
+    def _step_stack(self, group: dict, params: list[Tensor], skip: Tensor | None) -> None:
+        """Step matrices of one shape as one stack: some thirty kernels for all of them, where
+        one matrix at a time takes about as many for each, and on a GPU those launches set the
+        pace of a small model's step. The stacks are copies; the new values are copied back
+        unless the step is flagged."""
         lr, momentum = group["lr"], group["momentum"]
-        grads = [param.grad for param in params]
         buffers = []
         for param in params:
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param.grad)
             buffers.append(state["momentum_buffer"])
-        averaged = buffers if skip is None else torch._foreach_mul(buffers, 1.0)  # copies
-        torch._foreach_lerp_(averaged, grads, 1 - momentum)
-        updates = torch._foreach_lerp(grads, averaged, momentum) if group["nesterov"] else averaged
+        grads = torch.stack([param.grad for param in params])
+        averaged = torch.stack(buffers).lerp_(grads, 1 - momentum)
+        update = grads.lerp_(averaged, momentum) if group["nesterov"] else averaged
         dtype = self.ns_dtype or (
             torch.bfloat16 if multiplies_bf16(params[0].device.type) else torch.float32
         )
-        stacked = torch.stack(updates) if len(updates) > 1 else updates[0]
-        # in the parameters' dtype (exact): with one dtype the foreach add is one fast kernel
         orthogonal = orthogonalized(
-            stacked, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
-        ).to(params[0].dtype)
-        stepped = params if skip is None else torch._foreach_mul(params, 1.0)
-        torch._foreach_mul_(stepped, 1 - lr * group["weight_decay"])
-        scale = -lr * rms_factor(group["adjust_lr_fn"], params[0].shape)
-        torch._foreach_add_(
-            stepped, list(orthogonal) if len(params) > 1 else [orthogonal], alpha=scale
+            update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
         )
+        stepped = torch.stack(params).mul_(1 - lr * group["weight_decay"])
+        stepped.add_(orthogonal, alpha=-lr * rms_factor(group["adjust_lr_fn"], params[0].shape))
         if skip is not None:  # a flagged step keeps the old values (and any NaN out)
-            for buffer, average, param, new in zip(buffers, averaged, params, stepped, strict=True):
-                buffer.copy_(torch.where(skip, buffer, average))
-                param.copy_(torch.where(skip, param, new))
+            averaged = torch.where(skip, torch.stack(buffers), averaged)
+            stepped = torch.where(skip, torch.stack(params), stepped)
+        torch._foreach_copy_(buffers, averaged.unbind())
+        torch._foreach_copy_(params, stepped.unbind())
 
 
-def same_shapes(params) -> list[list[Tensor]]:
-    """`params` in lists of one shape, dtype and device, in the order each first appears."""
-    groups: dict[tuple, list[Tensor]] = {}
+def stackable(params) -> list[list[Tensor]]:
+    """`params` in lists that stack (one shape, dtype and device each), in order of appearance."""
+    stacks: dict[tuple, list[Tensor]] = {}
     for param in params:
-        groups.setdefault((param.shape, param.dtype, param.device), []).append(param)
-    return list(groups.values())
+        stacks.setdefault((param.shape, param.dtype, param.device), []).append(param)
+    return list(stacks.values())
 
 
 class MuonWithAdamW(Optimizer):
