@@ -1,18 +1,21 @@
 """One Muon step for a model's hidden weight matrices, alternating: ours with Newton-Schulz in
-bf16 (as torch.optim.Muon always does) and in fp32, and torch.optim.Muon itself (torch >= 2.9),
-which orthogonalises one matrix at a time where ours stacks the matrices of one shape:
+bf16 (as torch.optim.Muon always does); the same given the update guard's flag ("guarded", as
+training steps on a GPU: training/guard.py); ours in fp32; and torch.optim.Muon itself (torch
+>= 2.9), which orthogonalises one matrix at a time where ours stacks the matrices of one shape:
 
     python bench/muon_step.py [--layers 4] [--width 128] [--repeats 7] [--device cpu|cuda]
 
 Prints the median milliseconds a step (min-max) for each, and the medians of the per-round
-ratios bf16 / fp32 and torch's / ours in bf16 (the same arithmetic: tests/test_optimizers.py
-holds them equal to the bit). On a CPU without bf16 units (training/precision.py) bf16 is
+ratios to ours in bf16 (torch's is the same arithmetic: tests/test_optimizers.py holds them
+equal to the bit on the CPU). On a CPU without bf16 units (training/precision.py) bf16 is
 emulated.
 """
 
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,6 +35,14 @@ def ratio(times: dict[str, list[float]], side: str, other: str) -> str:
     )
 
 
+def synchronized(step: Callable) -> Callable:
+    def step_and_wait() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    return step_and_wait
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -45,22 +56,18 @@ def main() -> None:
     for weight in decayed["params"]:
         weight.grad = torch.randn_like(weight)
     options = {"lr": 1e-3, "adjust_lr_fn": "match_rms_adamw"}
-    optimizers = {
-        "ours bf16": Muon([decayed], **options, ns_dtype=torch.bfloat16),
-        "ours fp32": Muon([decayed], **options, ns_dtype=torch.float32),
+    unflagged = torch.zeros((), device=args.device)
+    steps = {
+        "ours bf16": Muon([decayed], **options, ns_dtype=torch.bfloat16).step,
+        "guarded": partial(  # given the flag of a step to keep, as the guard gives it
+            Muon([decayed], **options, ns_dtype=torch.bfloat16).step, found_inf=unflagged
+        ),
+        "ours fp32": Muon([decayed], **options, ns_dtype=torch.float32).step,
     }
     if hasattr(torch.optim, "Muon"):
-        optimizers["torch's"] = torch.optim.Muon([decayed], **options)
-
-    def timed_step(optimizer: torch.optim.Optimizer):
-        def step() -> None:
-            optimizer.step()
-            if args.device != "cpu":  # the step's kernels, not only their launches
-                torch.cuda.synchronize()
-
-        return step
-
-    steps = {side: timed_step(optimizer) for side, optimizer in optimizers.items()}
+        steps["torch's"] = torch.optim.Muon([decayed], **options).step
+    if args.device != "cpu":  # the steps' kernels, not only their launches
+        steps = {side: synchronized(step) for side, step in steps.items()}
     seconds = alternating_seconds(steps, args.repeats, calls=args.steps)
     times = {side: [s * 1e3 for s in values] for side, values in seconds.items()}
     if args.device == "cpu":
@@ -73,9 +80,9 @@ def main() -> None:
     for side, values in times.items():
         median = statistics.median(values)
         print(f"{side:>10}: {median:8.2f} ms a step ({min(values):.2f}-{max(values):.2f})")
-    print(ratio(times, "ours bf16", "ours fp32"))
-    if "torch's" in times:
-        print(ratio(times, "torch's", "ours bf16"))
+    for side in times:
+        if side != "ours bf16":
+            print(ratio(times, side, "ours bf16"))
 
 
 if __name__ == "__main__":
