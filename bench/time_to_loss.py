@@ -17,7 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from vs_nanogpt import RECIPES, run_ours, show, show_validations
+from vs_nanogpt import own_command, run_ours, show, show_validations
 
 COLUMNS = ["wall", "tokens_per_sec", "first_step", "to_target", "best_val"]
 
@@ -31,21 +31,17 @@ def main() -> None:
     args = parser.parse_args()
     text = args.text.resolve()
     scratch = Path(tempfile.mkdtemp(prefix="time_to_loss-"))
-    # run_ours with own=True runs the overrides as they are; the recipe only names a step count
-    # above the 20-step warm-up's, so that the timed runs keep their own max_steps.
-    recipe = RECIPES["gpu"]
     for index, overrides in enumerate(args.recipes):
         print(f"recipe {index}: {overrides}", flush=True)
-        run_ours(
-            recipe, 20, text, scratch / f"warm-{index}", overrides.split(), own=True, score=False
-        )
+        warm_dir = scratch / f"warm-{index}"
+        run_ours(own_command(text, warm_dir, overrides.split(), 20), text, warm_dir, score=False)
     print(f"\n{'run':<16}" + "".join(f"{key:>16}" for key in COLUMNS))
     results: dict[str, list[dict]] = {overrides: [] for overrides in args.recipes}
     for round_ in range(args.rounds):
         for index, overrides in enumerate(args.recipes):
-            extra = [*overrides.split(), f"seed={1337 + round_}"]
             run_dir = scratch / f"run-{index}-{round_}"
-            row = run_ours(recipe, recipe["steps"], text, run_dir, extra, True, False, args.target)
+            command = own_command(text, run_dir, [*overrides.split(), f"seed={1337 + round_}"])
+            row = run_ours(command, text, run_dir, score=False, target=args.target)
             results[overrides].append(row)
             show(f"recipe {index} #{round_}", row, COLUMNS)
             show_validations(row)

@@ -116,20 +116,32 @@ def nanogpt_command(recipe: dict, steps: int, out_dir: Path, seed: int = 1337) -
     ]
 
 
-def our_command(
-    recipe: dict, steps: int, text: Path, run_dir: Path, extra: list[str], own: bool
-) -> list:
-    data = ["data=text_files", f"data.paths=[{text / 'train.txt'}]"]
-    data += [f"data.val_paths=[{text / 'val.txt'}]"]
-    if own:  # our recipe on nanoGPT's data; a short warm-up run still stops early
-        steps_override = [f"trainer.max_steps={steps}"] if steps < 100 else []
-        return [sys.executable, str(ROOT / "train.py"), *data, *extra, *steps_override,
-                f"hydra.run.dir={run_dir}"]  # fmt: skip
+def nanogpt_data(text: Path) -> list[str]:
+    """Our overrides for nanoGPT's split of the text: its train.txt and val.txt."""
+    return [
+        "data=text_files",
+        f"data.paths=[{text / 'train.txt'}]",
+        f"data.val_paths=[{text / 'val.txt'}]",
+    ]
+
+
+def own_command(text: Path, run_dir: Path, extra: list[str], steps: int | None = None) -> list:
+    """train.py with our own recipe's overrides (`extra`) on nanoGPT's split; `steps` cuts it
+    short (a warm-up run), None keeps the recipe's own."""
+    steps_override = [] if steps is None else [f"trainer.max_steps={steps}"]
+    return [sys.executable, str(ROOT / "train.py"), *nanogpt_data(text), *extra, *steps_override,
+            f"hydra.run.dir={run_dir}"]  # fmt: skip
+
+
+def recipe_command(
+    recipe: dict, steps: int, text: Path, run_dir: Path, extra: list[str]
+) -> list[str]:
+    """train.py with nanoGPT's recipe as our overrides, `extra` on top, on its split."""
     shape = recipe["shape"]
     return [
         sys.executable,
         str(ROOT / "train.py"),
-        *data,
+        *nanogpt_data(text),
         f"data.batch_size={shape['batch_size']}",
         f"model.n_layer={shape['n_layer']}",
         f"model.n_embd={shape['n_embd']}",
@@ -270,16 +282,10 @@ def our_full_val_loss(run_dir: Path, val_text: str) -> float:
 
 
 def run_ours(
-    recipe: dict,
-    steps: int,
-    text: Path,
-    run_dir: Path,
-    extra: list[str],
-    own: bool,
-    score: bool = True,
-    target: float | None = None,
+    command: list[str], text: Path, run_dir: Path, score: bool = True, target: float | None = None
 ) -> dict:
-    wall, _ = timed(our_command(recipe, steps, text, run_dir, extra, own), ROOT)
+    """The figures of our run of `command` (own_command's or recipe_command's, in run_dir)."""
+    wall, _ = timed(command, ROOT)
     summary = json.loads((run_dir / "summary.json").read_text())
     validation_rows = [row for row in summary["history"] if "val/loss" in row]
     validations = [  # the end of each validation, from launch
@@ -385,7 +391,14 @@ def main() -> None:
     # One short untimed run of each first: the data cache, the page cache and any compile cache
     # are then warm for both sides, as for a user's second run.
     run_nanogpt(copy, recipe, 20, scratch / "warm-nanogpt", score=False)
-    run_ours(recipe, 20, text, scratch / "warm-ours", extra, own, score=False)
+
+    def our_command(steps: int, run_dir: Path, overrides: list[str]) -> list[str]:
+        if own:  # its own steps, except for the warm-up's
+            return own_command(text, run_dir, overrides, steps if steps < 100 else None)
+        return recipe_command(recipe, steps, text, run_dir, overrides)
+
+    warm_dir = scratch / "warm-ours"
+    run_ours(our_command(20, warm_dir, extra), text, warm_dir, score=False)
     target = args.target_loss
     columns = [key for key in COLUMNS if target is not None or key != "to_target"]
     print(f"\n{'run':<16}" + "".join(f"{key:>16}" for key in columns))
@@ -402,7 +415,8 @@ def main() -> None:
             show_validations(results["nanogpt"][-1])
         run_dir = scratch / f"ours-{pair}"
         seeded = [*extra, f"seed={seed}"]
-        results["ours"].append(run_ours(recipe, steps, text, run_dir, seeded, own, target=target))
+        command = our_command(steps, run_dir, seeded)
+        results["ours"].append(run_ours(command, text, run_dir, target=target))
         show(f"ours {pair}", results["ours"][-1], columns)
         if target is not None:
             show_validations(results["ours"][-1])
