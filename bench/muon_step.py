@@ -1,14 +1,15 @@
 """One Muon step for a model's hidden weight matrices, alternating: ours with Newton-Schulz in
 bf16 (as torch.optim.Muon always does); the same given the update guard's flag ("guarded", as
-training steps on a GPU: training/guard.py); ours in fp32; and torch.optim.Muon itself (torch
->= 2.9), which orthogonalises one matrix at a time where ours stacks the matrices of one shape:
+training steps on a GPU: training/guard.py); ours in fp32, stacking the matrices of one shape,
+and in fp32 one matrix at a time (each in a param group of its own); and torch.optim.Muon
+itself (torch >= 2.9), which orthogonalises one matrix at a time:
 
     python bench/muon_step.py [--layers 4] [--width 128] [--repeats 7] [--device cpu|cuda]
 
 Prints the median milliseconds a step (min-max) for each, and the medians of the per-round
 ratios to ours in bf16 (torch's is the same arithmetic: tests/test_optimizers.py holds them
-equal to the bit on the CPU). On a CPU without bf16 units (training/precision.py) bf16 is
-emulated.
+equal to the bit on the CPU), and of one matrix at a time to stacked, in fp32. On a CPU without
+bf16 units (training/precision.py) bf16 is emulated.
 """
 
 import argparse
@@ -63,6 +64,11 @@ def main() -> None:
             Muon([decayed], **options, ns_dtype=torch.bfloat16).step, found_inf=unflagged
         ),
         "ours fp32": Muon([decayed], **options, ns_dtype=torch.float32).step,
+        "one by one": Muon(
+            [{"params": [weight]} for weight in decayed["params"]],
+            **options,
+            ns_dtype=torch.float32,
+        ).step,
     }
     if hasattr(torch.optim, "Muon"):
         steps["torch's"] = torch.optim.Muon([decayed], **options).step
@@ -82,7 +88,7 @@ def main() -> None:
         print(f"{side:>10}: {median:8.2f} ms a step ({min(values):.2f}-{max(values):.2f})")
     for side in times:
         if side != "ours bf16":
-            print(ratio(times, side, "ours bf16"))
+            print(ratio(times, side, "ours fp32" if side == "one by one" else "ours bf16"))
 
 
 if __name__ == "__main__":
