@@ -36,7 +36,7 @@ def orthogonalized(
     well as exactly 1), computed on the wide side of the matrices."""
     a, b, c = coefficients
     tall = update.size(-2) > update.size(-1)
-    x = update.to(dtype, copy=True)  # not the momentum buffer itself, which div_ would scale
+    x = update.to(dtype, copy=True)  # a copy: div_ must not scale the caller's update
     if tall:
         x = x.mT
     x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))  # spectral norm <= 1: converges
