@@ -8,8 +8,8 @@ itself (torch >= 2.9), which orthogonalises one matrix at a time:
 
 Prints the median milliseconds a step (min-max) for each, and the medians of the per-round
 ratios to ours in bf16 (torch's is the same arithmetic: tests/test_optimizers.py holds them
-equal to the bit on the CPU), and of one matrix at a time to stacked, in fp32. On a CPU without
-bf16 units (training/precision.py) bf16 is emulated.
+equal up to the rounding of bf16 products), and of one matrix at a time to stacked, in fp32.
+On a CPU without bf16 units (training/precision.py) bf16 is emulated.
 """
 
 import argparse

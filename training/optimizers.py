@@ -57,11 +57,12 @@ def rms_factor(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 class Muon(Optimizer):
-    """Muon with torch.optim.Muon's options, state and update (to the bit, in bf16: tested),
-    orthogonalising in `ns_dtype`. torch's always runs Newton-Schulz in bf16, which a CPU
-    without bf16 units emulates: on an AVX2 EPYC that is 0.88 s a step for the default model's
-    matrices against 0.03 s in fp32 (bench/muon_step.py). ns_dtype None: bf16 on devices that
-    multiply in it, else fp32. It does not need torch.optim.Muon (new in torch 2.9)."""
+    """Muon with torch.optim.Muon's options, state and update (its arithmetic, in bf16: tested
+    against it up to the rounding of bf16 products), orthogonalising in `ns_dtype`. torch's
+    always runs Newton-Schulz in bf16, which a CPU without bf16 units emulates: on an AVX2 EPYC
+    that is 0.88 s a step for the default model's matrices against 0.03 s in fp32
+    (bench/muon_step.py). ns_dtype None: bf16 on devices that multiply in it, else fp32. It
+    does not need torch.optim.Muon (new in torch 2.9)."""
 
     def __init__(
         self,
