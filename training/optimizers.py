@@ -101,8 +101,8 @@ class Muon(Optimizer):
     def _step_stack(self, group: dict, params: list[Tensor], skip: Tensor | None) -> None:
         """Step matrices of one shape as one stack: some thirty kernels for all of them, where
         one matrix at a time takes about as many for each, and on a GPU those launches set the
-        pace of a small model's step. The stacks are copies; the new values are copied back
-        unless the step is flagged."""
+        pace of a small model's step. The new values are computed beside stacked copies of the
+        old, which a flagged step copies back instead."""
         lr, momentum = group["lr"], group["momentum"]
         buffers = []
         for param in params:
@@ -111,7 +111,8 @@ class Muon(Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(param.grad)
             buffers.append(state["momentum_buffer"])
         grads = torch.stack([param.grad for param in params])
-        averaged = torch.stack(buffers).lerp_(grads, 1 - momentum)
+        old_buffers = torch.stack(buffers)
+        averaged = old_buffers.lerp(grads, 1 - momentum)
         update = grads.lerp_(averaged, momentum) if group["nesterov"] else averaged
         dtype = self.ns_dtype or (
             torch.bfloat16 if multiplies_bf16(params[0].device.type) else torch.float32
@@ -119,11 +120,12 @@ class Muon(Optimizer):
         orthogonal = orthogonalized(
             update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
         )
-        stepped = torch.stack(params).mul_(1 - lr * group["weight_decay"])
+        weights = torch.stack(params)
+        stepped = weights.mul(1 - lr * group["weight_decay"])
         stepped.add_(orthogonal, alpha=-lr * rms_factor(group["adjust_lr_fn"], params[0].shape))
         if skip is not None:  # a flagged step keeps the old values (and any NaN out)
-            averaged = torch.where(skip, torch.stack(buffers), averaged)
-            stepped = torch.where(skip, torch.stack(params), stepped)
+            averaged = torch.where(skip, old_buffers, averaged)
+            stepped = torch.where(skip, weights, stepped)
         torch._foreach_copy_(buffers, averaged.unbind())
         torch._foreach_copy_(params, stepped.unbind())
 
