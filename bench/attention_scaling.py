@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from runs import spread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -141,12 +142,6 @@ def idle_rss_mb() -> float:
     command = [sys.executable, __file__, "--idle"]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return float(result.stdout.splitlines()[-1])
-
-
-def spread(values: list[float], digits: int) -> str:
-    """'median (min-max)'."""
-    low, mid, high = min(values), statistics.median(values), max(values)
-    return f"{mid:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def table(runs: dict, paths: list[str], lengths: list[int]) -> str:

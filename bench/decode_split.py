@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from runs import alternating_seconds
+from runs import alternating_seconds, spread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,7 +50,7 @@ def decoding_seconds(model: GPT, tokens: int, repeats: int) -> dict[str, list[fl
 def speedup(times: dict[str, list[float]], side: str) -> str:
     """Median (min-max) of the per-round ratios plain / side."""
     ratios = [p / s for p, s in zip(times["plain"], times[side], strict=True)]
-    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+    return spread(ratios)
 
 
 def main() -> None:

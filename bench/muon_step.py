@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from runs import alternating_seconds
+from runs import alternating_seconds, spread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -31,9 +31,7 @@ from training.precision import cpu_capabilities, multiplies_bf16  # noqa: E402
 
 def ratio(times: dict[str, list[float]], side: str, other: str) -> str:
     ratios = [a / b for a, b in zip(times[side], times[other], strict=True)]
-    return (
-        f"{side} / {other}: {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-    )
+    return f"{side} / {other}: {spread(ratios)}"
 
 
 def synchronized(step: Callable) -> Callable:

@@ -42,6 +42,12 @@ def median_after(rows: list[dict], key: str, skip: int) -> float:
     return statistics.median(values)
 
 
+def spread(values: list[float], digits: int = 2) -> str:
+    """'median (min-max)'."""
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
+
 def alternating_seconds(sides: dict, repeats: int, calls: int = 1) -> dict[object, list[float]]:
     """Seconds a call of each side (a function of no arguments) takes, averaged over `calls`
     calls, in `repeats` rounds after one warm-up call of each; every other round runs the sides
