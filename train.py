@@ -24,6 +24,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -122,6 +123,14 @@ def check_options(cfg: DictConfig) -> Plan:
         cfg.compile_mode,
     )
     check_nonfinite_action(cfg.on_nonfinite)
+    accelerator = cfg.trainer.get("accelerator")
+    check(
+        accelerator not in ("gpu", "cuda") or torch.cuda.is_available(),
+        "trainer.accelerator",
+        "cpu or auto where torch finds no GPU (use trainer=cpu or trainer=ddp_cpu, or a GPU "
+        "machine)",
+        accelerator,
+    )
     # the schedule needs a length
     check_int("trainer.max_steps", cfg.trainer.get("max_steps"))
     kind = kind_of(cfg.model)
