@@ -56,6 +56,13 @@ if [[ $(bytecode_kept) != True ]]; then
     echo "== no bytecode kept for torch: from here on it is kept in $PYTHONPYCACHEPREFIX"
     [[ $(bytecode_kept) == True ]] || echo "== ... and still none is kept: starts compile it" >&2
 fi
+# What our runs import only once they start (datasets to build the data cache, W&B's run when
+# its logger starts), with train.py: a package missing there would otherwise show only after
+# the tests, as a comparison whose every run of ours fails, the lease's time spent
+if ! "$python" -c "import train, datasets, wandb.sdk.wandb_run"; then
+    echo "== $python cannot import what train.py runs need: install the missing packages" >&2
+    exit 1
+fi
 failed=0
 tests=${TESTS:-tests/test_cuda_graphs_training.py tests/test_checkpoint_files.py
     tests/test_generation.py tests/test_guard.py tests/test_precision.py}
