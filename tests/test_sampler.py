@@ -2,14 +2,18 @@
 interrupted one would have, and ranks share an epoch without overlap."""
 
 import pytest
+import torch
 
+from data import sampler as sampler_module
 from data.sampler import RankShard, ResumableShuffle
 
 
-def batches(sampler: ResumableShuffle, epochs: int) -> list[list[int]]:
-    order = [i for _ in range(epochs) for i in sampler]
-    size = sampler.batch_size
+def batches_of(order: list[int], size: int) -> list[list[int]]:
     return [order[start : start + size] for start in range(0, len(order), size)]
+
+
+def batches(sampler: ResumableShuffle, epochs: int) -> list[list[int]]:
+    return batches_of([i for _ in range(epochs) for i in sampler], sampler.batch_size)
 
 
 def test_starting_at_any_batch_continues_the_same_order():
@@ -19,6 +23,16 @@ def test_starting_at_any_batch_continues_the_same_order():
         resumed = ResumableShuffle(103, batch_size=4, seed=7, start_batch=start)
         epochs_left = 3 - start // 25
         assert batches(resumed, epochs_left) == straight[start:]
+
+
+def test_the_order_is_the_seeded_permutation_whatever_the_chunks(monkeypatch):
+    # A checkpoint's run resumes with the batches it was promised, which these are: the epoch's
+    # permutation of torch.randperm, handed over in chunks of any size.
+    permutation = torch.randperm(103, generator=torch.Generator().manual_seed(7 + 1)).tolist()
+    whole_chunks = batches(ResumableShuffle(103, batch_size=4, seed=7, start_batch=26), 1)
+    assert whole_chunks == batches_of(permutation[4:100], 4)
+    monkeypatch.setattr(sampler_module, "INDICES_PER_CHUNK", 7)  # boundaries inside batches
+    assert batches(ResumableShuffle(103, batch_size=4, seed=7, start_batch=26), 1) == whole_chunks
 
 
 def test_each_epoch_and_seed_has_its_own_permutation():
