@@ -2,6 +2,7 @@
 drawn as PNG files, a map that cannot be drawn is reported without ending the others, and
 close() ends the process."""
 
+import os
 import pickle
 import subprocess
 import sys
@@ -33,6 +34,8 @@ def test_maps_are_drawn_in_another_process_and_failures_reported(tmp_path):
         drawer.submit(job(tmp_path, 20, shape=(2, 3)))  # no query axis: cannot be drawn
         drawer.submit(job(tmp_path, 30, shape=(4, 3, 3)))
         drawn = drawer.drawn(wait=True)
+        # the lowest priority (set before its imports): the trainer's CPU time comes first
+        assert os.getpriority(os.PRIO_PROCESS, drawer._process.pid) == 19
     finally:
         drawer.close()
     assert [(d.step, d.path is None) for d in drawn] == [(10, False), (20, True), (30, False)]

@@ -2,10 +2,10 @@
 
 Drawing a layer's heads takes 0.1-1 s of Python, which on the training thread stalls every
 step behind it (88 s of a 302 s GPU run). The training process records the maps on its device
-and sends them here as numpy arrays; `python -m training.map_drawing` (a plain process, not a
-fork of the trainer: it imports numpy and matplotlib only, no torch, whose import the last maps
-of a run would otherwise wait for) draws each into a PNG file at low priority and answers with
-the path, which the callback then logs.
+and sends them here as numpy arrays; a plain Python process (not a fork of the trainer: it
+imports numpy and matplotlib only, no torch, whose import the last maps of a run would otherwise
+wait for) draws each into a PNG file at low priority and answers with the path, which the
+callback then logs.
 """
 
 import os
@@ -22,6 +22,10 @@ from model.figures import HeadMaps
 
 # The project's root: the drawing process runs there.
 ROOT = Path(__file__).resolve().parents[1]
+
+# The drawing process lowers its priority before it imports anything: it starts beside the
+# first training step, which on a 2-core CPU its imports would otherwise slow.
+SERVE = "import os; os.nice(19); from training.map_drawing import serve; serve()"
 
 
 @dataclass
@@ -54,7 +58,7 @@ class MapDrawer:
 
     def __init__(self) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "training.map_drawing"],
+            [sys.executable, "-c", SERVE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=ROOT,  # the project's own packages, not same-named ones where the run started
@@ -130,7 +134,6 @@ def draw(job: MapJob) -> DrawnMap:
 
 def serve() -> None:
     """Draw jobs from stdin until it closes; answer each on stdout."""
-    os.nice(19)  # the lowest priority: the trainer's CPU time comes first
     jobs, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a library's print goes to stderr, not into the replies
     while True:
@@ -144,11 +147,3 @@ def serve() -> None:
             reply = DrawnMap(job.step, job.key, None, 0.0, f"{type(error).__name__}: {error}")
         pickle.dump(reply, replies)
         replies.flush()
-
-
-if __name__ == "__main__":
-    # From the module by its name: the replies' classes must unpickle in the trainer as
-    # training.map_drawing's, not as this __main__'s.
-    from training.map_drawing import serve as serve_by_name
-
-    serve_by_name()
