@@ -17,7 +17,6 @@ gc.disable()
 
 import dataclasses
 import signal
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -74,7 +73,7 @@ from training.sweep import (
     sqlite_url,
     trial_pruning,
 )
-from training.wandb_run import WandbLogger, run_names
+from training.wandb_run import ReleaseWandbStart, WandbLogger, finish_wandb, run_names
 
 OmegaConf.register_new_resolver("sqlite_url", sqlite_url)
 OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir)
@@ -181,7 +180,8 @@ def build_module(plan: Plan, tokenizer) -> L.LightningModule:
 
 def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
     """The Trainer with the config's callbacks and loggers, and ours: the state a resumed run
-    needs, and the stop on SIGTERM or Ctrl-C."""
+    needs, the stop on SIGTERM or Ctrl-C, and the start of an offline W&B run, on a thread once
+    the first step is done."""
     stop = StopSignals()
     callbacks = [instantiate_checked(c) for c in (plan.cfg.get("callbacks") or {}).values()]
     loggers = [
@@ -190,12 +190,14 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
         )
         for c in (plan.cfg.get("logger") or {}).values()
     ]
-    uploads = any(
-        isinstance(logger, WandbLogger) and logger.uploads_checkpoints for logger in loggers
-    )
+    wandb_loggers = [logger for logger in loggers if isinstance(logger, WandbLogger)]
+    for logger in wandb_loggers:
+        logger.start_in_background()  # released after the first training step
+    uploads = any(logger.uploads_checkpoints for logger in wandb_loggers)
+    ours = [ResumeState(), stop, ReleaseWandbStart(wandb_loggers), *trial_pruning()]
     trainer = instantiate_checked(
         plan.cfg.trainer,
-        callbacks=[*callbacks, ResumeState(), stop, *trial_pruning()],
+        callbacks=[*callbacks, *ours],
         logger=loggers or False,
         plugins=[DurableCheckpointIO(background=not uploads)],
     )
@@ -283,9 +285,7 @@ def main(cfg: DictConfig) -> float | None:
             return run_sweep_job(train, cfg)
         return exit_on_user_error(lambda: train(cfg), TRAIN_ERRORS)
     finally:
-        # Every job ends its W&B run, failed or not: a sweep's next job must not log into it.
-        if "wandb" in sys.modules:  # imported only by a run that logs to W&B
-            sys.modules["wandb"].finish()
+        finish_wandb()  # every job's, failed or not
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from helpers import ROOT
+from wandb_offline import config, run_info
 
 PROBE = """
 import gc
@@ -67,3 +68,62 @@ def test_a_wandb_run_starts_without_importing_wandb_launch(tmp_path):
 
 def test_staged_launch_inputs_still_reach_the_run(tmp_path):
     assert start_wandb(tmp_path, "stage") == ["True", "1"]
+
+
+# An offline W&B run prepared to start in the background, read as Lightning's setup reads it,
+# given hyper-parameters, then (with "release") used; finish_wandb settles it either way.
+BACKGROUND_PROBE = """
+import sys
+from pathlib import Path
+from training.wandb_run import WandbLogger, finish_wandb
+save_dir, run_id, release = sys.argv[1:]
+logger = WandbLogger(offline=True, save_dir=save_dir, id=run_id)
+logger.start_in_background()
+stand_in = logger.experiment
+logger.log_hyperparams({"lr": 0.1})
+started = "wandb" in sys.modules or any(Path(save_dir).glob("wandb/offline-run-*"))
+used = "unused"
+if release == "release":
+    logger.release_start()
+    try:
+        used = stand_in.id  # its first use waits for the run
+    except Exception as error:
+        used = type(error).__name__
+finish_wandb()
+print(type(stand_in).__name__, started, used)
+"""
+
+
+def start_in_background(tmp_path, run_id: str, release: str) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, "-c", BACKGROUND_PROBE, str(tmp_path), run_id, release],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split()
+
+
+def test_a_run_started_in_the_background_gets_what_was_logged_before_it_was_up(tmp_path):
+    # Until released, nothing of W&B is imported or written: the first step does not wait.
+    assert start_in_background(tmp_path, "bg1", "release") == ["StartingRun", "False", "bg1"]
+    assert run_info(tmp_path)["id"] == "bg1"
+    assert config(tmp_path)["lr"] == 0.1
+
+
+def test_a_failed_start_in_the_background_is_raised_at_the_runs_first_use(tmp_path):
+    # W&B refuses this id: the error reaches whoever uses the run, not a thread's log
+    assert start_in_background(tmp_path, "bad/id", "release") == [
+        "StartingRun",
+        "False",
+        "UsageError",
+    ]
+
+
+def test_a_start_never_released_is_never_begun(tmp_path):
+    # a run that fails before its first step leaves no W&B run behind
+    assert start_in_background(tmp_path, "bg2", "hold") == ["StartingRun", "False", "unused"]
+    assert not list(tmp_path.glob("wandb/offline-run-*"))

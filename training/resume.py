@@ -252,18 +252,18 @@ class ResumeState(L.Callback):
 
     def __init__(self) -> None:
         self._streams: dict | None = None  # loaded from a checkpoint, not restored yet
-        self._wandb: dict | None = None
+        self._wandb_logger: WandbLogger | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         if loggers and trainer.is_global_zero:
-            run = loggers[0].experiment
-            self._wandb = {"id": run.id, "group": run.group or run.id}
+            self._wandb_logger = loggers[0]  # its run is read when saved: it may be starting
 
     def state_dict(self) -> dict:
         state: dict = {"random": random_streams()}
-        if self._wandb is not None:
-            state["wandb"] = self._wandb
+        if self._wandb_logger is not None:
+            run = self._wandb_logger.experiment
+            state["wandb"] = {"id": run.id, "group": run.group or run.id}
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -2,8 +2,11 @@
 run's name and group, which say what was trained without opening the run."""
 
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import lightning as L
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
@@ -52,16 +55,44 @@ def skip_launch_inputs_never_staged() -> None:
     Run._detect_and_apply_job_inputs = apply_if_any_staged
 
 
+class StartingRun:
+    """The W&B run while it is starting in the background: at its first use it waits for the
+    run, and passes that use on. Lightning reads every logger's `experiment` at setup, only so
+    that it exists; with this stand-in, the first steps need not wait for the run."""
+
+    def __init__(self, logger: "WandbLogger") -> None:
+        self._logger = logger
+
+    def __getattr__(self, name: str):
+        self._logger.wait_for_start()
+        return getattr(self._logger.experiment, name)
+
+
+# The loggers whose run starts in the background: finish_wandb settles them, whatever became
+# of the training run.
+STARTING: list["WandbLogger"] = []
+
+
 class WandbLogger(LightningWandbLogger):
     """Lightning's W&B logger, with summaries of the best values (BEST), W&B's quiet console
     output (where the run is saved, not its banner and closing tables), without the
     `anonymous` argument, which W&B warns has no effect, and without W&B's second of looking
-    for Launch inputs that were never staged (skip_launch_inputs_never_staged)."""
+    for Launch inputs that were never staged (skip_launch_inputs_never_staged).
+
+    An offline run can start on a thread of its own (start_in_background): importing W&B and
+    starting its service take 0.6-0.9 s of a 2-core CPU's start, which training need not wait
+    for, and most of which runs beside the training steps' kernels.
+    """
 
     def __init__(self, **kwargs) -> None:
         kwargs.setdefault("settings", {"quiet": True})
         super().__init__(**kwargs)
         self._wandb_init.pop("anonymous", None)
+        self._starter: ThreadPoolExecutor | None = None  # a start no one has waited for yet
+        self._starter_thread: int | None = None
+        self._start_tasks: list[Future] = []
+        self._released = threading.Event()
+        self._cancelled = False
 
     @property
     def uploads_checkpoints(self) -> bool:
@@ -70,16 +101,97 @@ class WandbLogger(LightningWandbLogger):
         (training/checkpoint_io.py)."""
         return bool(self._log_model)
 
+    def start_in_background(self) -> None:
+        """Have the run start on a thread once release_start() is called, on rank zero, if it is
+        offline (an online start may ask for a login at the terminal, so it starts when first
+        used, on the training thread, as ever). Until it is up, hyper-parameters queue behind
+        the start on that thread, and `experiment` is a StartingRun."""
+        if self._offline and self._experiment is None and rank_zero_only.rank == 0:
+            self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wandb-start")
+            self._start_tasks.append(self._starter.submit(self._create_run_when_released))
+            STARTING.append(self)
+
+    def release_start(self) -> None:
+        """Let a start prepared by start_in_background begin."""
+        self._released.set()
+
+    def wait_for_start(self) -> None:
+        """Wait for a start in the background (beginning it if it was not released yet); raise
+        what it, or what queued behind it, raised first."""
+        for task in self._join_starter():
+            task.result()
+
+    def _join_starter(self, cancel: bool = False) -> list[Future]:
+        """The tasks of a start in the background, all done (`cancel`: not begun, if it was not
+        released yet); none seen from the starter's own thread, which runs them in turn."""
+        if not self._starting():
+            return []
+        self._cancelled = cancel and not self._released.is_set()
+        self._released.set()
+        starter, self._starter = self._starter, None
+        starter.shutdown(wait=True, cancel_futures=self._cancelled)
+        tasks, self._start_tasks = self._start_tasks, []
+        return [task for task in tasks if not task.cancelled()]
+
+    def _starting(self) -> bool:
+        """A start in the background that no one has waited for, seen from another thread."""
+        return self._starter is not None and threading.get_ident() != self._starter_thread
+
+    def _create_run_when_released(self) -> None:
+        self._starter_thread = threading.get_ident()
+        self._released.wait()
+        if not self._cancelled:
+            self._create_run()
+
+    def _create_run(self) -> None:
+        skip_launch_inputs_never_staged()
+        run = super().experiment
+        for key, summary in BEST.items():
+            run.define_metric(key, summary=summary)
+
     @property
     def experiment(self):  # the parent's: the run on rank zero, a stand-in on the others
-        first = self._experiment is None
-        if first:
-            skip_launch_inputs_never_staged()
-        run = super().experiment
-        if first and rank_zero_only.rank == 0:
-            for key, summary in BEST.items():
-                run.define_metric(key, summary=summary)
-        return run
+        if self._starting():
+            return StartingRun(self)
+        if self._experiment is None and rank_zero_only.rank == 0:
+            self._create_run()
+        return super().experiment
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        if self._starting():
+            self._start_tasks.append(self._starter.submit(self._log_hyperparams_if_up, params))
+        else:
+            super().log_hyperparams(params)
+
+    def _log_hyperparams_if_up(self, params) -> None:
+        """On the starter: after a start that failed, there is no run (the failure is raised
+        to whoever waits for the start)."""
+        if self._experiment is not None:
+            super().log_hyperparams(params)
+
+
+class ReleaseWandbStart(L.Callback):
+    """Releases the W&B starts that train.py prepared once the first training step is done:
+    on a 2-core CPU they would slow it by a few tenths of a second."""
+
+    def __init__(self, loggers: list[WandbLogger]) -> None:
+        self.loggers = loggers
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        while self.loggers:
+            self.loggers.pop().release_start()
+
+
+def finish_wandb() -> None:
+    """End the W&B run of this process, if it started one, once any start in the background
+    is settled (one never released is not begun): a sweep's next job must not log into it. A
+    start that failed is not raised here, where the run ends anyway, perhaps with an error of
+    its own."""
+    while STARTING:
+        STARTING.pop()._join_starter(cancel=True)
+    if "wandb" in sys.modules:  # imported only by a run that logs to W&B
+        sys.modules["wandb"].finish()
 
 
 def run_names(node: DictConfig, model: DictConfig, run_dir: str) -> dict:
