@@ -33,6 +33,9 @@ def test_the_order_is_the_seeded_permutation_whatever_the_chunks(monkeypatch):
     assert whole_chunks == batches_of(permutation[4:100], 4)
     monkeypatch.setattr(sampler_module, "INDICES_PER_CHUNK", 7)  # boundaries inside batches
     assert batches(ResumableShuffle(103, batch_size=4, seed=7, start_batch=26), 1) == whole_chunks
+    monkeypatch.undo()  # the real chunks, several of them, over torch.randperm's own order
+    permutation = torch.randperm(70_000, generator=torch.Generator().manual_seed(3)).tolist()
+    assert list(ResumableShuffle(70_000, batch_size=10, seed=3)) == permutation
 
 
 def test_each_epoch_and_seed_has_its_own_permutation():
