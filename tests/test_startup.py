@@ -49,9 +49,10 @@ print("wandb.sdk.launch" in sys.modules, len(published))
 """
 
 
-def start_wandb(tmp_path, stage: str) -> list[str]:
+def wandb_probe(probe: str, *arguments: str) -> list[str]:
+    """The words a probe prints, run in a fresh interpreter with W&B offline and quiet."""
     result = subprocess.run(
-        [sys.executable, "-c", WANDB_PROBE, str(tmp_path), stage],
+        [sys.executable, "-c", probe, *arguments],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -63,11 +64,11 @@ def start_wandb(tmp_path, stage: str) -> list[str]:
 
 
 def test_a_wandb_run_starts_without_importing_wandb_launch(tmp_path):
-    assert start_wandb(tmp_path, "none") == ["False", "0"]
+    assert wandb_probe(WANDB_PROBE, str(tmp_path), "none") == ["False", "0"]
 
 
 def test_staged_launch_inputs_still_reach_the_run(tmp_path):
-    assert start_wandb(tmp_path, "stage") == ["True", "1"]
+    assert wandb_probe(WANDB_PROBE, str(tmp_path), "stage") == ["True", "1"]
 
 
 # An offline W&B run prepared to start in the background, read as Lightning's setup reads it,
@@ -95,16 +96,7 @@ print(type(stand_in).__name__, started, used)
 
 
 def start_in_background(tmp_path, run_id: str, release: str) -> list[str]:
-    result = subprocess.run(
-        [sys.executable, "-c", BACKGROUND_PROBE, str(tmp_path), run_id, release],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.split()
+    return wandb_probe(BACKGROUND_PROBE, str(tmp_path), run_id, release)
 
 
 def test_a_run_started_in_the_background_gets_what_was_logged_before_it_was_up(tmp_path):
