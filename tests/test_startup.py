@@ -78,10 +78,11 @@ import sys
 from pathlib import Path
 from training.wandb_run import WandbLogger, finish_wandb
 save_dir, run_id, release = sys.argv[1:]
-logger = WandbLogger(offline=True, save_dir=save_dir, id=run_id)
+logger = WandbLogger(offline=True, save_dir=save_dir, id=None if run_id == "-" else run_id)
 logger.start_in_background()
 stand_in = logger.experiment
 logger.log_hyperparams({"lr": 0.1})
+known = logger.version  # for the progress bar and checkpoint paths, before the run is up
 started = "wandb" in sys.modules or any(Path(save_dir).glob("wandb/offline-run-*"))
 used = "unused"
 if release == "release":
@@ -91,7 +92,7 @@ if release == "release":
     except Exception as error:
         used = type(error).__name__
 finish_wandb()
-print(type(stand_in).__name__, started, used)
+print(type(stand_in).__name__, started, used, known)
 """
 
 
@@ -101,21 +102,51 @@ def start_in_background(tmp_path, run_id: str, release: str) -> list[str]:
 
 def test_a_run_started_in_the_background_gets_what_was_logged_before_it_was_up(tmp_path):
     # Until released, nothing of W&B is imported or written: the first step does not wait.
-    assert start_in_background(tmp_path, "bg1", "release") == ["StartingRun", "False", "bg1"]
+    assert start_in_background(tmp_path, "bg1", "release") == [
+        "StartingRun",
+        "False",
+        "bg1",
+        "bg1",
+    ]
     assert run_info(tmp_path)["id"] == "bg1"
     assert config(tmp_path)["lr"] == 0.1
 
 
+def test_a_run_started_in_the_background_has_its_id_from_the_start(tmp_path):
+    kind, started, used, known = start_in_background(tmp_path, "-", "release")
+    assert (kind, started) == ("StartingRun", "False")
+    assert used == known == run_info(tmp_path)["id"] and len(known) == 8
+
+
 def test_a_failed_start_in_the_background_is_raised_at_the_runs_first_use(tmp_path):
     # W&B refuses this id: the error reaches whoever uses the run, not a thread's log
-    assert start_in_background(tmp_path, "bad/id", "release") == [
-        "StartingRun",
-        "False",
-        "UsageError",
-    ]
+    words = start_in_background(tmp_path, "bad/id", "release")
+    assert words[:3] == ["StartingRun", "False", "UsageError"]
 
 
 def test_a_start_never_released_is_never_begun(tmp_path):
     # a run that fails before its first step leaves no W&B run behind
-    assert start_in_background(tmp_path, "bg2", "hold") == ["StartingRun", "False", "unused"]
+    assert start_in_background(tmp_path, "bg2", "hold") == [
+        "StartingRun",
+        "False",
+        "unused",
+        "bg2",
+    ]
     assert not list(tmp_path.glob("wandb/offline-run-*"))
+
+
+# A logger prepared to start in the background, copied as Lightning's ddp_spawn copies it.
+PICKLE_PROBE = """
+import pickle, sys
+from training.wandb_run import WandbLogger, finish_wandb
+logger = WandbLogger(offline=True, save_dir=sys.argv[1])
+logger.start_in_background()
+copy = pickle.loads(pickle.dumps(logger))
+print(copy.version == logger.experiment.id, copy._starting())
+finish_wandb()
+"""
+
+
+def test_a_logger_starting_in_the_background_can_be_copied_to_another_process(tmp_path):
+    # the copy names the run, started first, and has no starter of its own
+    assert wandb_probe(PICKLE_PROBE, str(tmp_path)) == ["True", "False"]

@@ -257,13 +257,13 @@ class ResumeState(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         if loggers and trainer.is_global_zero:
-            self._wandb_logger = loggers[0]  # its run is read when saved: it may be starting
+            self._wandb_logger = loggers[0]  # its run's record is read when saved
 
     def state_dict(self) -> dict:
         state: dict = {"random": random_streams()}
-        if self._wandb_logger is not None:
-            run = self._wandb_logger.experiment
-            state["wandb"] = {"id": run.id, "group": run.group or run.id}
+        record = self._wandb_logger.run_record() if self._wandb_logger is not None else None
+        if record is not None:
+            state["wandb"] = record
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -1,6 +1,9 @@
 """The W&B side of a run: the logger (Lightning's, quieter, with best-value summaries) and the
 run's name and group, which say what was trained without opening the run."""
 
+import os
+import secrets
+import string
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,12 +61,15 @@ def skip_launch_inputs_never_staged() -> None:
 class StartingRun:
     """The W&B run while it is starting in the background: at its first use it waits for the
     run, and passes that use on. Lightning reads every logger's `experiment` at setup, only so
-    that it exists; with this stand-in, the first steps need not wait for the run."""
+    that it exists (or, with sync_tensorboard, which never starts in the background, before
+    TensorBoard's writers); with this stand-in the first steps need not wait for the run."""
 
     def __init__(self, logger: "WandbLogger") -> None:
         self._logger = logger
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):  # copy's and pickle's probes, before _logger is set
+            raise AttributeError(name)
         self._logger.wait_for_start()
         return getattr(self._logger.experiment, name)
 
@@ -71,6 +77,15 @@ class StartingRun:
 # The loggers whose run starts in the background: finish_wandb settles them, whatever became
 # of the training run.
 STARTING: list["WandbLogger"] = []
+
+# W&B's run ids: 8 characters of these.
+RUN_ID_CHARACTERS = string.ascii_lowercase + string.digits
+
+
+def new_run_id() -> str:
+    """A W&B run id, from the system's randomness: the seeded `random` module would give a
+    sweep's jobs, each seeded alike, the same ids."""
+    return "".join(secrets.choice(RUN_ID_CHARACTERS) for _ in range(8))
 
 
 class WandbLogger(LightningWandbLogger):
@@ -88,6 +103,9 @@ class WandbLogger(LightningWandbLogger):
         kwargs.setdefault("settings", {"quiet": True})
         super().__init__(**kwargs)
         self._wandb_init.pop("anonymous", None)
+        self._no_start_in_background()
+
+    def _no_start_in_background(self) -> None:
         self._starter: ThreadPoolExecutor | None = None  # a start no one has waited for yet
         self._starter_thread: int | None = None
         self._start_tasks: list[Future] = []
@@ -102,18 +120,31 @@ class WandbLogger(LightningWandbLogger):
         return bool(self._log_model)
 
     def start_in_background(self) -> None:
-        """Have the run start on a thread once release_start() is called, on rank zero, if it is
-        offline (an online start may ask for a login at the terminal, so it starts when first
-        used, on the training thread, as ever). Until it is up, hyper-parameters queue behind
-        the start on that thread, and `experiment` is a StartingRun."""
-        if self._offline and self._experiment is None and rank_zero_only.rank == 0:
-            self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wandb-start")
-            self._start_tasks.append(self._starter.submit(self._create_run_when_released))
-            STARTING.append(self)
+        """Have the run start on a thread once release_start() is called, if it is offline and
+        this is the first process (an online start may ask for a login at the terminal, so it
+        starts when first used, on the training thread, as ever; so does one that syncs
+        TensorBoard). The run's id is drawn now, so `version` needs no wait. Until the run is
+        up, hyper-parameters queue behind its start on that thread, and `experiment` is a
+        StartingRun."""
+        if not self._offline or self._experiment is not None or rank_zero_only.rank != 0:
+            return
+        if self._wandb_init.get("sync_tensorboard"):
+            return
+        if self._wandb_init.get("id") is None:
+            self._id = self._wandb_init["id"] = new_run_id()
+        # What Lightning's start sets, set here: not from a thread while training reads the
+        # environment.
+        os.environ["WANDB_MODE"] = "dryrun"
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wandb-start")
+        self._start_tasks.append(self._starter.submit(self._create_run_when_released))
+        STARTING.append(self)
 
-    def release_start(self) -> None:
-        """Let a start prepared by start_in_background begin."""
-        self._released.set()
+    def release_start(self, cancel: bool = False) -> None:
+        """Let a start prepared by start_in_background begin (`cancel`: end it unbegun, if it
+        was not released yet). Never waits."""
+        if not self._released.is_set():
+            self._cancelled = cancel
+            self._released.set()
 
     def wait_for_start(self) -> None:
         """Wait for a start in the background (beginning it if it was not released yet); raise
@@ -121,15 +152,14 @@ class WandbLogger(LightningWandbLogger):
         for task in self._join_starter():
             task.result()
 
-    def _join_starter(self, cancel: bool = False) -> list[Future]:
-        """The tasks of a start in the background, all done (`cancel`: not begun, if it was not
-        released yet); none seen from the starter's own thread, which runs them in turn."""
+    def _join_starter(self) -> list[Future]:
+        """The tasks of a start in the background, once all are done or cancelled; none seen
+        from the starter's own thread, which runs them in turn."""
         if not self._starting():
             return []
-        self._cancelled = cancel and not self._released.is_set()
-        self._released.set()
-        starter, self._starter = self._starter, None
-        starter.shutdown(wait=True, cancel_futures=self._cancelled)
+        self.release_start()
+        self._starter.shutdown(wait=True, cancel_futures=self._cancelled)
+        self._starter = None
         tasks, self._start_tasks = self._start_tasks, []
         return [task for task in tasks if not task.cancelled()]
 
@@ -150,12 +180,23 @@ class WandbLogger(LightningWandbLogger):
             run.define_metric(key, summary=summary)
 
     @property
-    def experiment(self):  # the parent's: the run on rank zero, a stand-in on the others
+    def experiment(self):  # the parent's (a stand-in on ranks other than zero), or a StartingRun
         if self._starting():
             return StartingRun(self)
         if self._experiment is None and rank_zero_only.rank == 0:
             self._create_run()
         return super().experiment
+
+    def run_record(self) -> dict | None:
+        """The run's id and group for a checkpoint, without waiting for a start in the
+        background (None where neither the run nor its arguments name it yet)."""
+        if self._experiment is not None:
+            run = self._experiment
+            return {"id": run.id, "group": run.group or run.id}
+        run_id = self._wandb_init.get("id")
+        if run_id is None:
+            return None
+        return {"id": run_id, "group": self._wandb_init.get("group") or run_id}
 
     @rank_zero_only
     def log_hyperparams(self, params) -> None:
@@ -170,26 +211,43 @@ class WandbLogger(LightningWandbLogger):
         if self._experiment is not None:
             super().log_hyperparams(params)
 
+    def __getstate__(self) -> dict:
+        """For the copies of Lightning's ddp_spawn: the run is started first (Lightning's
+        copies attach to it), and the thread's parts stay in this process."""
+        self.wait_for_start()
+        state = super().__getstate__()
+        for key in ("_starter", "_starter_thread", "_start_tasks", "_released", "_cancelled"):
+            del state[key]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._no_start_in_background()
+
 
 class ReleaseWandbStart(L.Callback):
-    """Releases the W&B starts that train.py prepared once the first training step is done:
+    """Releases the W&B starts that train.py prepared once the first optimizer step is done:
     on a 2-core CPU they would slow it by a few tenths of a second."""
 
     def __init__(self, loggers: list[WandbLogger]) -> None:
         self.loggers = loggers
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        while self.loggers:
+        while self.loggers and trainer.global_step >= 1:
             self.loggers.pop().release_start()
 
 
 def finish_wandb() -> None:
-    """End the W&B run of this process, if it started one, once any start in the background
-    is settled (one never released is not begun): a sweep's next job must not log into it. A
-    start that failed is not raised here, where the run ends anyway, perhaps with an error of
-    its own."""
+    """End the W&B run of this process, if it started one, once every start in the background
+    is settled (one never released is not begun): a sweep's next job must not log into it, and
+    a starter left waiting would keep the process from exiting. A start that failed is a
+    warning here, where the run ends anyway, perhaps with an error of its own."""
+    for logger in STARTING:
+        logger.release_start(cancel=True)  # all at once: a join interrupted leaves none waiting
     while STARTING:
-        STARTING.pop()._join_starter(cancel=True)
+        for task in STARTING.pop()._join_starter():
+            if task.exception() is not None:
+                print(f"warning: the W&B run did not start: {task.exception()}", file=sys.stderr)
     if "wandb" in sys.modules:  # imported only by a run that logs to W&B
         sys.modules["wandb"].finish()
 
