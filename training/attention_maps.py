@@ -21,10 +21,11 @@ class AttentionMapLogger(L.Callback):
 
     Per-head entropy and score std go to every logger as metrics at once. The figures (one per
     attention layer, every head a panel) are drawn in a process of their own
-    (training/map_drawing.py, started with training so that its imports are done by the first
-    map) into `out_dir` as PNG files, and go to W&B when drawn, at the step they show. The last
-    ones are waited for by finish(), which train.py calls after its end-of-run printout, so
-    that they are drawn meanwhile; a Trainer used without train.py gets them at teardown.
+    (training/map_drawing.py) into `out_dir` as PNG files, and go to W&B when drawn, at the step
+    they show. That process starts after the first step, which on a 2-core CPU its start would
+    slow, early enough for its imports to be done by the first map. The last maps are waited
+    for by finish(), which train.py calls after its end-of-run printout, so that they are
+    drawn meanwhile; a Trainer used without train.py gets them at teardown.
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class AttentionMapLogger(L.Callback):
         self._temporary_dir: Path | None = None  # the PNGs' folder when out_dir is not set
         self._last_logged_step = -1
         self._drawer: MapDrawer | None = None
+        self._drawer_started = False  # once: a drawing process that died is not restarted
         self.skipped_figures = 0  # not drawn: the previous maps were still being drawn
         self.finish_later = False  # True: the owner of the run calls finish() itself
         self.last_metrics: dict[str, float] = {}  # the statistics of the latest maps
@@ -51,12 +53,16 @@ class AttentionMapLogger(L.Callback):
         self.drawing_seconds = 0.0  # spent drawing, in the drawing process
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.out_dir is None:
+            self._temporary_dir = Path(tempfile.mkdtemp(prefix="attention_maps-"))
+
+    def _start_drawing(self, trainer: L.Trainer) -> None:
+        if trainer.is_global_zero and not self._drawer_started:
             self._drawer = MapDrawer()
-            if self.out_dir is None:
-                self._temporary_dir = Path(tempfile.mkdtemp(prefix="attention_maps-"))
+            self._drawer_started = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        self._start_drawing(trainer)
         if trainer.global_step % self.every_n_steps == 0:
             self.log_attention(trainer, pl_module, final=trainer.global_step >= trainer.max_steps)
         elif self._drawer is not None and self._drawer.pending:  # most steps: nothing to do
@@ -104,6 +110,7 @@ class AttentionMapLogger(L.Callback):
         finally:
             pl_module.train(was_training)
         self._log_statistics(trainer, records, step)
+        self._start_drawing(trainer)  # if no step has started it (a run resumed at its end)
         if self._drawer is not None:
             self._submit(records, labels_for, step, final)
         self.seconds += time.perf_counter() - started
