@@ -132,8 +132,9 @@ class WandbLogger(LightningWandbLogger):
             return
         if self._wandb_init.get("id") is None:
             self._id = self._wandb_init["id"] = new_run_id()
-        # What Lightning's start sets, set here: not from a thread while training reads the
-        # environment.
+        # What Lightning's start sets, set first here, on the training thread: the starter's
+        # own setting then replaces an existing variable, which never moves the environment
+        # array that other threads may be reading.
         os.environ["WANDB_MODE"] = "dryrun"
         self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wandb-start")
         self._start_tasks.append(self._starter.submit(self._create_run_when_released))
