@@ -62,7 +62,8 @@ class AttentionMapLogger(L.Callback):
             self._drawer_started = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        self._start_drawing(trainer)
+        if trainer.global_step >= 1:  # the first optimizer step is done (batches may accumulate)
+            self._start_drawing(trainer)
         if trainer.global_step % self.every_n_steps == 0:
             self.log_attention(trainer, pl_module, final=trainer.global_step >= trainer.max_steps)
         elif self._drawer is not None and self._drawer.pending:  # most steps: nothing to do
