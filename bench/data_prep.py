@@ -31,15 +31,15 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for tokenizer in ("char", "bpe"):
         for num_proc in (1, 2):
-            cache = tempfile.mkdtemp(prefix="bench_prep_")
             options = {"tokenizer": tokenizer, "num_proc": num_proc}
-            cold, hit = prepare(cache, **options)
-            assert not hit
-            warm, hit = prepare(cache, **options)
-            assert hit
-            module = LMDataModule(cache_dir=cache, **options)
-            module.setup()
-            tokens = len(module._split("train"))
+            with tempfile.TemporaryDirectory(prefix="bench_prep_") as cache:
+                cold, hit = prepare(cache, **options)
+                assert not hit
+                warm, hit = prepare(cache, **options)
+                assert hit
+                module = LMDataModule(cache_dir=cache, **options)
+                module.setup()
+                tokens = len(module._split("train"))
             print(f"| {tokenizer} | {num_proc} | {cold:.2f} | {warm:.3f} | {tokens:,} |")
 
 

@@ -5,8 +5,6 @@ batch (2 x 16 vs 1 x 32 blocks), run back to back. Extra arguments are train.py 
 """
 
 import sys
-import tempfile
-from pathlib import Path
 
 from runs import last, median_after, train
 
@@ -14,7 +12,6 @@ COMMON = ["trainer.val_check_interval=50", "trainer.limit_val_batches=8"]
 
 
 def main(overrides: list[str]) -> None:
-    out = Path(tempfile.mkdtemp(prefix="bench_ddp_"))
     setups = {
         "single": ["trainer=cpu", "data.batch_size=32"],
         "ddp_cpu": ["trainer=ddp_cpu", "data.batch_size=16"],
@@ -23,9 +20,7 @@ def main(overrides: list[str]) -> None:
     print("| setup (global batch 32) | tokens/s (median) | wall s | final val loss |")
     print("|---|---|---|---|")
     for name, setup in setups.items():
-        seconds, rows = train(
-            out / name.split(",")[0].replace(" ", "_"), *setup, *COMMON, *overrides
-        )
+        seconds, rows = train(*setup, *COMMON, *overrides)
         results[name] = median_after(rows, "train/tokens_per_sec", 3)
         print(f"| {name} | {results[name]:,.0f} | {seconds:.0f} | {last(rows, 'val/loss'):.3f} |")
     single, ddp = results.values()

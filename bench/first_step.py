@@ -32,17 +32,17 @@ from runs import compare_checkouts
 def start_and_end_seconds(
     python: str, root: Path, overrides: list[str], cache: str
 ) -> dict[str, float]:
-    run_dir = Path(tempfile.mkdtemp(prefix="first_step-"))
-    started = time.perf_counter()
-    subprocess.run(
-        [python, str(root / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=root,
-        env={**os.environ, "TINYFORMER_CACHE": cache},
-        capture_output=True,
-        check=True,
-    )
-    whole = time.perf_counter() - started
-    summary = json.loads((run_dir / "summary.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="first_step-") as run_dir:
+        started = time.perf_counter()
+        subprocess.run(
+            [python, str(root / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+            cwd=root,
+            env={**os.environ, "TINYFORMER_CACHE": cache},
+            capture_output=True,
+            check=True,
+        )
+        whole = time.perf_counter() - started
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
     return {
         "first step": summary["seconds_to_first_step"],
         "whole process": whole,
@@ -59,16 +59,16 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="train.py overrides for both")
     args = parser.parse_args()
     overrides = ["trainer.max_steps=3", "trainer.val_check_interval=3", *args.overrides]
-    cache = tempfile.mkdtemp(prefix="first_step-cache-")
     this = Path(__file__).resolve().parents[1]
     pythons = {args.other.resolve(): args.other_python, this: args.python}
-    for root, python in pythons.items():  # warm the data cache and each side's compile caches
-        start_and_end_seconds(python, root, overrides, cache)
-    compare_checkouts(
-        lambda root: start_and_end_seconds(pythons[root.resolve()], root, overrides, cache),
-        args.other,
-        args.repeats,
-    )
+    with tempfile.TemporaryDirectory(prefix="first_step-cache-") as cache:
+        for root, python in pythons.items():  # warm the data cache and each side's compile caches
+            start_and_end_seconds(python, root, overrides, cache)
+        compare_checkouts(
+            lambda root: start_and_end_seconds(pythons[root.resolve()], root, overrides, cache),
+            args.other,
+            args.repeats,
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,20 +16,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(run_dir: Path, *overrides: str, env: dict | None = None) -> tuple[float, list[dict]]:
-    """Wall seconds of `python train.py overrides...` and its logged rows (metrics.csv)."""
-    command = [sys.executable, str(ROOT / "train.py"), *overrides, "logger=csv"]
-    command.append(f"hydra.run.dir={run_dir}")
-    start = time.perf_counter()
-    result = subprocess.run(
-        command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True
-    )
-    seconds = time.perf_counter() - start
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
-    (metrics,) = Path(run_dir).glob("csv/**/metrics.csv")
-    with open(metrics) as f:
-        rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+def train(*overrides: str, env: dict | None = None) -> tuple[float, list[dict]]:
+    """Wall seconds of `python train.py overrides...` and its logged rows (metrics.csv), from a
+    run directory that is deleted afterwards."""
+    with tempfile.TemporaryDirectory(prefix="bench_run_") as run_dir:
+        command = [sys.executable, str(ROOT / "train.py"), *overrides, "logger=csv"]
+        command.append(f"hydra.run.dir={run_dir}")
+        start = time.perf_counter()
+        result = subprocess.run(
+            command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True
+        )
+        seconds = time.perf_counter() - start
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+        (metrics,) = Path(run_dir).glob("csv/**/metrics.csv")
+        with open(metrics) as f:
+            rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
     return seconds, rows
 
 

@@ -6,18 +6,15 @@ tokenizers). Extra arguments are train.py overrides, e.g. trainer=gpu or trainer
 """
 
 import sys
-import tempfile
-from pathlib import Path
 
 from runs import last, median_after, train
 
 
 def main(overrides: list[str]) -> None:
-    out = Path(tempfile.mkdtemp(prefix="bench_bpc_"))
     print("| data | vocab | val loss (nats/token) | val bits/char | tokens/s | wall s |")
     print("|---|---|---|---|---|---|")
     for data in ("shakespeare_char", "shakespeare_bpe"):
-        seconds, rows = train(out / data, f"data={data}", *overrides)
+        seconds, rows = train(f"data={data}", *overrides)
         vocab = "char" if data.endswith("char") else "BPE"
         print(
             f"| {data} | {vocab} | {last(rows, 'val/loss'):.3f} | "

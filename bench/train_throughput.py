@@ -18,7 +18,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -116,8 +115,7 @@ def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype
 
 def lightning_rate(overrides: list[str]) -> float:
     """Median windowed tokens/s that `python train.py overrides...` logged, warm-up excluded."""
-    run_dir = Path(tempfile.mkdtemp(prefix="bench_throughput_")) / "run"
-    _, rows = train(run_dir, *overrides)
+    _, rows = train(*overrides)
     return median_after(rows, "train/tokens_per_sec", WARMUP_STEPS // 10)
 
 
