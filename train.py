@@ -1,9 +1,10 @@
 """Train a model from the shell: `python train.py [group=choice] [key=value ...]`.
 
 Hydra composes configs/train.yaml and makes the run directory; then a run is four steps:
-check (every option, before any data loads; given ckpt_path, the checkpoint's run's config),
-build (Trainer, data, LightningModule), fit, summarise (summary.json and the end-of-run
-printout). train() returns the best validation loss, which Hydra's sweepers minimise.
+check (training/plan.py: every option, before any data loads; given ckpt_path, the
+checkpoint's run's config), build (Trainer, data, LightningModule), fit, summarise
+(summary.json and the end-of-run printout). train() returns the best validation loss, which
+Hydra's sweepers minimise.
 """
 
 import gc
@@ -23,8 +24,6 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-import torch
-from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -32,10 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.lm import LMDataModule
 from data.seq2seq import Seq2SeqDataModule
 from data.tokenizer import tokenizer_from_dict
-from errors import check, check_int, exit_on_user_error, is_int
-from model.encdec import EncDecConfig
-from model.gpt import GPTConfig
-from model.sampling import SamplingConfig
+from errors import exit_on_user_error
 from training.attention_maps import finish_maps, finish_maps_later
 from training.checkpoint_io import DurableCheckpointIO, claim_run_dir
 from training.errors import (
@@ -44,17 +40,15 @@ from training.errors import (
     optimizer_state_mismatch,
     out_of_memory,
 )
-from training.guard import TrainingDiverged, all_steps_skipped, check_nonfinite_action
-from training.kinds import ModelKind, check_fits_data, kind_of
-from training.module import OptimConfig, TrainingModule
+from training.guard import TrainingDiverged, all_steps_skipped
+from training.module import TrainingModule
+from training.plan import Plan, check_options
 from training.precision import fast_precision
 from training.resume import (
-    Resume,
     ResumeState,
     StopSignals,
     hydra_record_dir,
     override_key,
-    prepare_resume,
     resume_run_dir,
 )
 from training.summary import (
@@ -82,65 +76,6 @@ OmegaConf.register_new_resolver("fast_precision", fast_precision)
 OmegaConf.register_new_resolver("hydra_record_dir", hydra_record_dir, use_cache=True)
 gc.freeze()
 gc.enable()
-
-# torch.compile's modes (compile_mode=)
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-@dataclasses.dataclass
-class Plan:
-    """A run's checked settings: every later step takes these, not the raw config."""
-
-    resume: Resume
-    kind: ModelKind
-    model: GPTConfig | EncDecConfig
-    optim: OptimConfig
-    sample: SamplingConfig
-
-    @property
-    def cfg(self) -> DictConfig:
-        return self.resume.cfg
-
-    @property
-    def run_dir(self) -> str:
-        return self.resume.cfg.paths.output_dir
-
-
-def check_options(cfg: DictConfig) -> Plan:
-    """Every option a user can get wrong, before any data loads; given ckpt_path, the config is
-    the checkpoint's run's under this command's overrides."""
-    resume = prepare_resume(cfg, HydraConfig.get().overrides.task, in_sweep())
-    cfg = resume.cfg
-    check(is_int(cfg.seed, 0) and cfg.seed < 2**32, "seed", "an integer in [0, 2**32)", cfg.seed)
-    check(isinstance(cfg.compile, bool), "compile", "true or false", cfg.compile)
-    modes = ", ".join(COMPILE_MODES)
-    check(cfg.compile_mode in COMPILE_MODES, "compile_mode", f"one of {modes}", cfg.compile_mode)
-    check(
-        cfg.compile or cfg.compile_mode == "default",
-        "compile_mode",
-        "default unless compile=true (add compile=true, or drop compile_mode)",
-        cfg.compile_mode,
-    )
-    check_nonfinite_action(cfg.on_nonfinite)
-    accelerator = cfg.trainer.get("accelerator")
-    check(
-        accelerator not in ("gpu", "cuda") or torch.cuda.is_available(),
-        "trainer.accelerator",
-        "cpu or auto where torch finds no GPU (use trainer=cpu or trainer=ddp_cpu, or a GPU "
-        "machine)",
-        accelerator,
-    )
-    # the schedule needs a length
-    check_int("trainer.max_steps", cfg.trainer.get("max_steps"))
-    kind = kind_of(cfg.model)
-    check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
-    return Plan(
-        resume,
-        kind,
-        model=instantiate_checked(cfg.model),
-        optim=OptimConfig(**cfg.optim),
-        sample=SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True)),
-    )
 
 
 def prepare_data(plan: Plan, datamodule: LMDataModule | Seq2SeqDataModule) -> None:

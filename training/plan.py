@@ -1,0 +1,78 @@
+"""A run's checked settings: every option a user can get wrong is checked here, before any
+data loads, and every later step of train.py takes the Plan this returns, not the raw config."""
+
+import dataclasses
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from errors import check, check_int, is_int
+from model.encdec import EncDecConfig
+from model.gpt import GPTConfig
+from model.sampling import SamplingConfig
+from training.errors import instantiate_checked
+from training.guard import check_nonfinite_action
+from training.kinds import ModelKind, check_fits_data, kind_of
+from training.module import OptimConfig
+from training.resume import Resume, prepare_resume
+from training.sweep import in_sweep
+
+# torch.compile's modes (compile_mode=)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclasses.dataclass
+class Plan:
+    """A run's checked settings: every later step takes these, not the raw config."""
+
+    resume: Resume
+    kind: ModelKind
+    model: GPTConfig | EncDecConfig
+    optim: OptimConfig
+    sample: SamplingConfig
+
+    @property
+    def cfg(self) -> DictConfig:
+        return self.resume.cfg
+
+    @property
+    def run_dir(self) -> str:
+        return self.resume.cfg.paths.output_dir
+
+
+def check_options(cfg: DictConfig) -> Plan:
+    """Every option a user can get wrong, before any data loads; given ckpt_path, the config is
+    the checkpoint's run's under this command's overrides."""
+    resume = prepare_resume(cfg, HydraConfig.get().overrides.task, in_sweep())
+    cfg = resume.cfg
+    check(is_int(cfg.seed, 0) and cfg.seed < 2**32, "seed", "an integer in [0, 2**32)", cfg.seed)
+    check(isinstance(cfg.compile, bool), "compile", "true or false", cfg.compile)
+    modes = ", ".join(COMPILE_MODES)
+    check(cfg.compile_mode in COMPILE_MODES, "compile_mode", f"one of {modes}", cfg.compile_mode)
+    check(
+        cfg.compile or cfg.compile_mode == "default",
+        "compile_mode",
+        "default unless compile=true (add compile=true, or drop compile_mode)",
+        cfg.compile_mode,
+    )
+    check_nonfinite_action(cfg.on_nonfinite)
+    accelerator = cfg.trainer.get("accelerator")
+    check(
+        accelerator not in ("gpu", "cuda") or torch.cuda.is_available(),
+        "trainer.accelerator",
+        "cpu or auto where torch finds no GPU (use trainer=cpu or trainer=ddp_cpu, or a GPU "
+        "machine)",
+        accelerator,
+    )
+    # the schedule needs a length
+    check_int("trainer.max_steps", cfg.trainer.get("max_steps"))
+    kind = kind_of(cfg.model)
+    check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
+    return Plan(
+        resume,
+        kind,
+        model=instantiate_checked(cfg.model),
+        optim=OptimConfig(**cfg.optim),
+        sample=SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True)),
+    )
