@@ -3,6 +3,7 @@ through the module's validation hooks driven by hand on batches built to the pur
 
 import io
 import math
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -87,6 +88,45 @@ def test_the_last_step_is_validated_once_whatever_the_interval(tmp_path, max_ste
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == max_steps
     assert validations.steps == expected
+
+
+class CompiledGraphs(L.Callback):
+    """How many graphs torch.compile had made when the sanity check ended."""
+
+    def __init__(self, graphs: list) -> None:
+        self.graphs = graphs
+        self.after_sanity_check: int | None = None
+
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.after_sanity_check = len(self.graphs)
+
+
+def test_the_sanity_check_runs_a_compiled_model_eagerly(tmp_path):
+    data, module = text_and_gpt(tmp_path)
+    grad_modes = []  # one per graph compiled: with gradients (training) or without (validation)
+
+    def backend(graph: torch.fx.GraphModule, inputs: list) -> Callable:
+        grad_modes.append(torch.is_grad_enabled())
+        return graph.forward
+
+    module.model.compile(backend=backend)  # in place, as train.py's compile=true does
+    compiled = CompiledGraphs(grad_modes)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        callbacks=[compiled],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(module, datamodule=data)
+    assert compiled.after_sanity_check == 0
+    # the first step compiled the training graph, and the validation after it the no-grad one
+    assert grad_modes == [True, False]
 
 
 def validate(

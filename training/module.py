@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import lightning as L
@@ -251,8 +252,16 @@ class TrainingModule(L.LightningModule):
             )
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        loss, _, tokens = self.loss(batch)
+        loss, _, tokens = self.validation_loss(batch)
         self.add_val_loss(loss, tokens)
+
+    def validation_loss(self, batch) -> tuple[Tensor, Tensor, Tensor | int]:
+        """self.loss(batch), with a compiled model run eagerly in the sanity check: compiling
+        its no-grad graph there (or loading it from the cache) would hold the first training
+        step back by seconds, and the first validation compiles it anyway."""
+        eager = self.trainer.sanity_checking
+        with torch.compiler.set_stance("force_eager") if eager else nullcontext():
+            return self.loss(batch)
 
     def add_val_loss(self, loss: Tensor, scored: Tensor | int) -> None:
         """Count a batch's mean loss over its `scored` tokens into val/loss."""
@@ -304,7 +313,7 @@ class LanguageModelModule(TrainingModule):
         self.val_chars = validation_sum()
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, _, tokens = self.loss(batch)
+        loss, _, tokens = self.validation_loss(batch)
         self.add_val_loss(loss, tokens)
         self.val_chars.update(self.token_chars[batch[1]].sum())
 
@@ -371,7 +380,7 @@ class Seq2SeqModule(TrainingModule):
         return loss, logits, tokens
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss, logits, _ = self.loss(batch)
+        loss, logits, _ = self.validation_loss(batch)
         targets = batch["target_out"]
         scored = targets != IGNORE_INDEX
         self.add_val_loss(loss, scored.sum())  # the loss is a mean over these
