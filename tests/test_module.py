@@ -101,6 +101,9 @@ class CompiledGraphs(L.Callback):
         self.after_sanity_check = len(self.graphs)
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance: torch 2.6+"
+)
 def test_the_sanity_check_runs_a_compiled_model_eagerly(tmp_path):
     data, module = text_and_gpt(tmp_path)
     grad_modes = []  # one per graph compiled: with gradients (training) or without (validation)

@@ -259,7 +259,7 @@ class TrainingModule(L.LightningModule):
         """self.loss(batch), with a compiled model run eagerly in the sanity check: compiling
         its no-grad graph there (or loading it from the cache) would hold the first training
         step back by seconds, and the first validation compiles it anyway."""
-        eager = self.trainer.sanity_checking
+        eager = self.trainer.sanity_checking and hasattr(torch.compiler, "set_stance")  # 2.6+
         with torch.compiler.set_stance("force_eager") if eager else nullcontext():
             return self.loss(batch)
 

@@ -1,5 +1,5 @@
-"""A run's checked settings: every option a user can get wrong is checked here, before any
-data loads, and every later step of train.py takes the Plan this returns, not the raw config."""
+"""train.py's check step: every option a user can get wrong, checked before any data loads
+(check_options), into the Plan that the later steps take instead of the raw config."""
 
 import dataclasses
 
