@@ -112,6 +112,9 @@ def test_the_sanity_check_runs_a_compiled_model_eagerly(tmp_path):
         grad_modes.append(torch.is_grad_enabled())
         return graph.forward
 
+    # torch.compile keeps at most 8 graphs of a function per process, whatever compiled them:
+    # start from none, and leave none behind
+    torch.compiler.reset()
     module.model.compile(backend=backend)  # in place, as train.py's compile=true does
     compiled = CompiledGraphs(grad_modes)
     trainer = L.Trainer(
@@ -126,7 +129,10 @@ def test_the_sanity_check_runs_a_compiled_model_eagerly(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
     )
-    trainer.fit(module, datamodule=data)
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:
+        torch.compiler.reset()
     assert compiled.after_sanity_check == 0
     # the first step compiled the training graph, and the validation after it the no-grad one
     assert grad_modes == [True, False]
