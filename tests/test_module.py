@@ -69,22 +69,30 @@ class ValidationSteps(L.Callback):
         self.steps.append(trainer.global_step)
 
 
-@pytest.mark.parametrize("max_steps, expected", [(7, [3, 6, 7]), (6, [3, 6])])
-def test_the_last_step_is_validated_once_whatever_the_interval(tmp_path, max_steps, expected):
-    data, module = text_and_gpt(tmp_path)
-    validations = ValidationSteps()
-    trainer = L.Trainer(
+def short_run(
+    max_steps: int, val_check_interval: int, callback: L.Callback, sanity_steps: int = 0
+) -> L.Trainer:
+    """A CPU Trainer that validates one batch every val_check_interval steps, `sanity_steps`
+    before training, with `callback` and nothing else attached (no logger, no checkpoints)."""
+    return L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
-        val_check_interval=3,
+        val_check_interval=val_check_interval,
         check_val_every_n_epoch=None,
         limit_val_batches=1,
-        num_sanity_val_steps=0,
-        callbacks=[validations],
+        num_sanity_val_steps=sanity_steps,
+        callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
     )
+
+
+@pytest.mark.parametrize("max_steps, expected", [(7, [3, 6, 7]), (6, [3, 6])])
+def test_the_last_step_is_validated_once_whatever_the_interval(tmp_path, max_steps, expected):
+    data, module = text_and_gpt(tmp_path)
+    validations = ValidationSteps()
+    trainer = short_run(max_steps, 3, validations)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == max_steps
     assert validations.steps == expected
@@ -117,18 +125,7 @@ def test_the_sanity_check_runs_a_compiled_model_eagerly(tmp_path):
     torch.compiler.reset()
     module.model.compile(backend=backend)  # in place, as train.py's compile=true does
     compiled = CompiledGraphs(grad_modes)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        val_check_interval=2,
-        check_val_every_n_epoch=None,
-        limit_val_batches=1,
-        num_sanity_val_steps=1,
-        callbacks=[compiled],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-    )
+    trainer = short_run(max_steps=2, val_check_interval=2, callback=compiled, sanity_steps=1)
     try:
         trainer.fit(module, datamodule=data)
     finally:
