@@ -45,9 +45,9 @@ def same_random_state():
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def remove_private_caches():
-    yield
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove this process's private caches: in every process that made them (xdist's
+    controller and --collect-only too, where no session fixture runs)."""
     shutil.rmtree(_HOME, ignore_errors=True)
 
 
