@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from errors import check_int
-from model.attention import KVCache, StaticKVCache
+from model.attention import KVCache, StaticKVCache, StaticPositions
 from model.blocks import (
     POSITIONS,
     Block,
@@ -76,10 +76,11 @@ class GPT(nn.Module):
         return [KVCache(max_len or self.config.block_size, window) for _ in self.blocks]
 
     def new_static_cache(self, length: Tensor) -> list[StaticKVCache]:
-        """One block_size-long StaticKVCache per layer, all sharing `length` (a 0-d long tensor on
-        the model's device that the caller advances): the cache of a decoding step captured as a
-        CUDA graph. A sliding window is a mask over it."""
-        return [StaticKVCache(self.config.block_size, length) for _ in self.blocks]
+        """One block_size-long StaticKVCache per layer, all sharing one StaticPositions around
+        `length` (a 0-d long tensor on the model's device that the caller advances): the cache of
+        a decoding step captured as a CUDA graph. A sliding window is a mask over it."""
+        positions = StaticPositions(length, self.config.block_size, self.config.attention.window)
+        return [StaticKVCache(positions) for _ in self.blocks]
 
     def forward(
         self,
@@ -88,6 +89,8 @@ class GPT(nn.Module):
         cache: list[KVCache] | list[StaticKVCache] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         offset = cache[0].length if cache else 0
+        if cache and isinstance(cache[0], StaticKVCache):
+            cache[0].positions.begin(idx.size(1))  # the pass's slots and mask, for every layer
         x = self.drop(self.pos_emb(self.tok_emb(idx), offset))
         for i, block in enumerate(self.blocks):
             x = block(x, cache=cache[i] if cache else None)

@@ -13,6 +13,7 @@ from model.attention import (
     KVCache,
     MultiHeadAttention,
     attention_scores,
+    one_query_attention,
     repeat_kv,
     scaled_dot_product_attention,
 )
@@ -189,6 +190,19 @@ def test_attention_scores_mask_marks_forbidden_with_minus_inf():
     upper = ~causal_mask(4)
     assert torch.isneginf(scores[:, upper]).all()
     torch.testing.assert_close(scores[:, ~upper], raw[:, ~upper], **TOL)
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_one_query_attention_is_the_fused_kernels_with_grouped_heads(n_kv_head):
+    generator = torch.Generator().manual_seed(n_kv_head)
+    q = torch.randn(3, 4, 1, 8, generator=generator)
+    k, v = (torch.randn(3, n_kv_head, 10, 8, generator=generator) for _ in range(2))
+    visible = torch.arange(10)[None, :] <= 6  # slots 7.. hidden: not yet written
+    mask = torch.zeros(1, 10).masked_fill(~visible, float("-inf"))
+    expected = F.scaled_dot_product_attention(
+        q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=visible, scale=0.3
+    )
+    torch.testing.assert_close(one_query_attention(q, k, v, mask, 0.3), expected, **TOL)
 
 
 @pytest.mark.parametrize("d_k", [16, 64, 256])
