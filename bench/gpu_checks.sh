@@ -2,9 +2,10 @@
 # Every check that needs a GPU, as one script for a short lease on a GPU machine: the CUDA
 # tests, nanoGPT's GPU recipe side by side with ours (attention maps at our default cadence,
 # steps replayed as CUDA graphs where their tests pass) or with our own recipe (OWN), decoding
-# speed with CUDA graphs, a Muon step, and the import times of train.py. Each step's output goes
-# to OUT_DIR/STEP.log; vs_nanogpt gets what is left of SECONDS less the later steps' usual 230 s
-# (at least 120). Exits 1 if any step failed, after running the others.
+# speed with CUDA graphs and the kernels of a decoding step, a Muon step, and the import times
+# of train.py. Each step's output goes to OUT_DIR/STEP.log; vs_nanogpt gets what is left of
+# SECONDS less the later steps' usual 245 s (at least 120). Exits 1 if any step failed, after
+# running the others.
 #
 # A Python that keeps no bytecode for the modules it imports (a read-only install, or
 # PYTHONDONTWRITEBYTECODE set, as on the lent GPU machines) compiles every one from source at
@@ -76,8 +77,8 @@ if ((steps > 0)); then
     then
         mode=reduce-overhead
     fi
-    # the decoding, Muon and import checks after it take about 230 s
-    left=$((budget - SECONDS - 230))
+    # the decoding, Muon and import checks after it take about 245 s
+    left=$((budget - SECONDS - 245))
     if ((left < 120)); then
         echo "== only ${left}s of the ${budget}s left for vs_nanogpt: give more SECONDS" >&2
         left=120
@@ -105,6 +106,8 @@ for per_replay in 1 8; do
     step 120 "decode_compiled_$per_replay" "$python" bench/generate_speed.py --device cuda \
         --repeats 5 --cuda-graph --compile-step --tokens-per-replay "$per_replay" || failed=1
 done
+# The kernels of one decoding step, eager and compiled
+step 60 decode_kernels "$python" bench/decode_kernels.py || failed=1
 # A Muon step of nanoGPT's GPU model, stacked (ours, guarded as training steps) against
 # torch.optim.Muon's one matrix at a time
 step 30 muon_step "$python" bench/muon_step.py --device cuda --layers 6 --width 384 || failed=1
