@@ -114,17 +114,22 @@ def scaled_dot_product_attention(
 
 
 def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Attention of a decoding step over a static cache: q (B, H, 1, D), k and v (B, Hkv, Tk, D),
-    an additive mask (1, Tk) under which every query sees a key (its own). Returns (B, H, 1, D).
+    """Attention of an fp32 decoding step over a static cache: q (B, H, 1, D), k and v
+    (B, Hkv, Tk, D), an additive mask (1, Tk) that leaves each query at least one key (a step's
+    query sees its own slot): unlike the other paths, a query that sees none would get NaN.
+    Returns (B, H, 1, D).
 
     The fused kernel works in tiles of 64 queries: given one, on an H100 it took 30 µs a layer
     at nanoGPT's 6x384 shape, three fifths of a compiled decoding step. Here a step is three
     small kernels (scores and mask, softmax, weighted sum). The query heads that share a
-    key/value head are the rows of one product, so no keys or values are copied.
+    key/value head are the rows of one product, so no keys or values are copied. In bf16 the
+    scores would be rounded before the softmax, which the fused kernels do in fp32: callers
+    keep those there.
     """
     batch, n_head, _, dim = q.shape
-    groups = batch * k.size(1)
-    rows = q.reshape(groups, n_head * batch // groups, dim)
+    n_kv_head = k.size(1)
+    groups = batch * n_kv_head
+    rows = q.reshape(groups, n_head // n_kv_head, dim)
     keys, values = k.reshape(groups, -1, dim), v.reshape(groups, -1, dim)
     weights = torch.softmax(torch.baddbmm(mask, rows, keys.mT, alpha=scale), dim=-1)
     return (weights @ values).view(batch, n_head, 1, dim)
@@ -399,34 +404,35 @@ def allowed_keys(q_pos: Tensor, k_pos: Tensor, causal: bool, window: int | None)
 class StaticPositions:
     """Where a static-cache decoding stands, shared by the StaticKVCaches of every layer:
     `length`, a 0-d long tensor on the device that the caller advances, and the forward pass's
-    slots (the positions its queries write) and the slots each query may see, made once a pass
-    by `begin` for every layer. At batch 1 each of those few-element tensors costs a kernel of
-    its own: made in each layer, they were about a third of a decoding step's kernels.
+    slots (the positions its queries write) and mask (the slots each query may see), made once
+    a pass for every layer. At batch 1 each of those few-element tensors costs a kernel of its
+    own: made in each layer, they were about a third of a decoding step's kernels.
+
+    GPT.forward calls `begin` before its layers; the layers' caches write the slots it made, and
+    their attention reads `mask`.
     """
 
-    def __init__(self, length: Tensor, max_len: int, window: int | None):
+    def __init__(self, length: Tensor, max_len: int, window: int | None) -> None:
         self.length = length
         self.max_len = max_len
         self.window = window
         self.all_slots = torch.arange(max_len, device=length.device)
         self.slots: Tensor | None = None  # (Tq,)
-        self.visible: Tensor | None = None  # (Tq, max_len)
-        self._mask: Tensor | None = None
+        self._mask: Tensor | None = None  # (Tq, max_len)
 
     def begin(self, q_len: int) -> None:
-        """The slots and visibility of a forward pass of q_len queries from `length` on."""
+        """Start a forward pass of q_len queries from `length` on: their slots, and a new mask."""
         self.slots = position_range(self.length, q_len, self.length.device)
-        self.visible = allowed_keys(self.slots, self.all_slots, causal=True, window=self.window)
         self._mask = None
 
     def mask(self, dtype: torch.dtype) -> Tensor:
-        """The visibility as an additive mask (0 or -inf) in dtype, made once a pass: given the
-        booleans, the fused kernel would convert them in every layer."""
-        if self._mask is None or self._mask.dtype != dtype:
-            hidden = torch.full(
-                self.visible.shape, float("-inf"), dtype=dtype, device=self.visible.device
-            )
-            self._mask = hidden.masked_fill_(self.visible, 0.0)
+        """The slots each query of the pass may see (causality, the window) as an additive mask
+        (0 or -inf) in dtype, made at the first layer that asks: given booleans, the fused
+        kernel would convert them in every layer. All layers of a pass ask in one dtype."""
+        if self._mask is None:
+            visible = allowed_keys(self.slots, self.all_slots, causal=True, window=self.window)
+            hidden = torch.full(visible.shape, float("-inf"), dtype=dtype, device=visible.device)
+            self._mask = hidden.masked_fill_(visible, 0.0)
         return self._mask
 
 
@@ -435,7 +441,8 @@ class StaticKVCache:
     place never change: what a decoding step captured as a CUDA graph needs, since each replay
     reruns the captured kernels on the same memory and nothing in it may depend on a number the
     host holds. Position p lives in slot p; `positions` (StaticPositions, shared by every layer)
-    holds the length, which the caller advances after each step, and the slots of the step.
+    holds the length, which the caller advances after each step, and the slots of the pass,
+    which GPT.forward makes before its layers run.
 
     Every step reads all max_len slots: causality hides the slots after the queries (not yet
     written, or left over from before the caller restarted at 0). Nothing here can check that
@@ -449,17 +456,25 @@ class StaticKVCache:
 
     @property
     def length(self) -> Tensor:
+        """The positions written so far, a 0-d tensor on the device (the shared one)."""
         return self.positions.length
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, None]:
         """Store k, v (B, Hkv, Tn, D) in the pass's slots; return every slot's keys and values
         (their positions are 0..max_len-1)."""
+        slots = self.positions.slots
+        if slots is None or slots.numel() != k.size(-2):
+            raise ValueError(
+                f"{k.size(-2)} positions to store, but the pass's slots are "
+                f"{None if slots is None else slots.numel()}: a StaticKVCache is written inside "
+                "GPT.forward, which makes them (StaticPositions.begin) before its layers run"
+            )
         if self._k is None:
             max_len = self.positions.max_len
             self._k = k.new_zeros(*k.shape[:-2], max_len, k.size(-1))
             self._v = v.new_zeros(*v.shape[:-2], max_len, v.size(-1))
-        self._k.index_copy_(-2, self.positions.slots, k)
-        self._v.index_copy_(-2, self.positions.slots, v)
+        self._k.index_copy_(-2, slots, k)
+        self._v.index_copy_(-2, slots, v)
         return self._k, self._v, None
 
 
@@ -629,7 +644,12 @@ class MultiHeadAttention(nn.Module):
             and attn_mask is None
         )
 
-    def _sees_static_positions(self, cache, key_padding_mask, attn_mask) -> bool:
+    def _sees_static_positions(
+        self,
+        cache: KVCache | StaticKVCache | None,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+    ) -> bool:
         """True when the mask is what a StaticKVCache's positions hold (causality and this
         layer's window): every layer of the pass then shares one."""
         return (
@@ -698,14 +718,15 @@ class MultiHeadAttention(nn.Module):
                 dropout_p=dropout_p,
             )
         else:
-            shared = self._sees_static_positions(cache, key_padding_mask, attn_mask)
-            if shared:
+            static_mask = self._sees_static_positions(cache, key_padding_mask, attn_mask)
+            if static_mask:
                 mask = cache.positions.mask(q.dtype)
             else:
                 mask = self._mask(
                     q_len, k_len, offset, key_padding_mask, attn_mask, x.device, k_pos
                 )
-            if shared and q_len == 1 and dropout_p == 0.0:
+            # a one-query step in fp32 with no dropout: three small kernels, not the fused tiles
+            if static_mask and q_len == 1 and q.dtype == torch.float32 and dropout_p == 0.0:
                 out = one_query_attention(q, k, v, mask, self.scale)
             else:
                 out = fused_attention(

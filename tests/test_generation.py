@@ -140,6 +140,7 @@ def test_greedy_with_and_without_cache_agree_within_block_size(position, attenti
 
 STATIC_CASES = [
     ("learned", {}),
+    ("learned", {"n_kv_head": 1}),
     ("sinusoidal", {"n_kv_head": 2}),
     ("rope", {"window": 3}),
     ("alibi", {}),
@@ -179,6 +180,16 @@ def test_static_cache_steps_give_the_kv_cache_logits_across_a_restart(
     assert [layer._k.data_ptr() for layer in static.cache] == slots  # the memory never moves
     for kv_cache, static_cache in logits:
         torch.testing.assert_close(static_cache, kv_cache, atol=1e-5, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_a_static_cache_is_written_inside_a_gpt_pass_only():
+    model = tiny_gpt(VOCAB, block_size=8)
+    cache = model.new_static_cache(torch.zeros((), dtype=torch.long))
+    x = torch.randn(1, 1, model.config.n_embd)
+    # a block called on its own: no pass made the slots its cache writes
+    with pytest.raises(ValueError, match="a StaticKVCache is written inside GPT.forward"):
+        model.blocks[0](x, cache=cache[0])
 
 
 @torch.inference_mode()
