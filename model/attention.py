@@ -123,8 +123,8 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: fl
     at nanoGPT's 6x384 shape, three fifths of a compiled decoding step. Here a step is three
     small kernels (scores and mask, softmax, weighted sum). The query heads that share a
     key/value head are the rows of one product, so no keys or values are copied. In bf16 the
-    scores would be rounded before the softmax, which the fused kernels do in fp32: callers
-    keep those there.
+    scores would be rounded before the softmax, which the fused kernels keep in fp32: bf16 steps
+    go to those.
     """
     batch, n_head, _, dim = q.shape
     n_kv_head = k.size(1)

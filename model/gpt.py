@@ -90,7 +90,7 @@ class GPT(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         offset = cache[0].length if cache else 0
         if cache and isinstance(cache[0], StaticKVCache):
-            cache[0].positions.begin(idx.size(1))  # the pass's slots and mask, for every layer
+            cache[0].positions.begin(idx.size(1))  # the pass's slots, shared by every layer
         x = self.drop(self.pos_emb(self.tok_emb(idx), offset))
         for i, block in enumerate(self.blocks):
             x = block(x, cache=cache[i] if cache else None)
