@@ -23,7 +23,6 @@ from data.lm_text import (
     TokenWriter,
     encode_held_out,
     texts_of,
-    token_dtype,
     whole_batch,
 )
 from data.sources import (
@@ -40,7 +39,7 @@ from data.sources import (
     tail_split,
     whole_split,
 )
-from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer, token_dtype
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
     import datasets

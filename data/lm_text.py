@@ -26,7 +26,7 @@ from data.sources import (
     tail_split,
     whole_split,
 )
-from data.tokenizer import BPETokenizer, CharTokenizer
+from data.tokenizer import BPETokenizer, CharTokenizer, token_dtype
 from errors import check, check_int, is_number
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when text is read
@@ -142,11 +142,6 @@ class LMDataConfig:
 
 
 # --- Token streams and blocks --------------------------------------------------------------------
-
-
-def token_dtype(tokenizer: CharTokenizer | BPETokenizer) -> type:
-    """The narrowest unsigned type that holds every id of `tokenizer`."""
-    return np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
 
 
 def encode_held_out(

@@ -4,7 +4,7 @@ speech) or read from any dataset with two text columns (`pairs`), tokenized once
 and served as padded batches with padding masks. The Lightning DataModule; the plain pieces it
 is built from are data/seq2seq_text.py's."""
 
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from data.seq2seq_text import (
     encode_pairs,
 )
 from data.sources import expand_paths, file_fingerprint
-from data.tokenizer import CharTokenizer
+from data.tokenizer import CharTokenizer, token_dtype
 from errors import is_int
 
 # Bump whenever the cache entry's contents change meaning (passages, corruption, file layout).
@@ -52,8 +52,10 @@ class Seq2SeqDataModule(CachedDataModule):
         super().__init__()
         self.keep_config(Seq2SeqDataConfig(**options))
 
+    @cached_property
     def _cache_key(self) -> dict:
-        """Everything that changes the prepared pairs; batching and val_subset don't."""
+        """Everything that changes the prepared pairs; batching and val_subset don't. Taken once,
+        so files edited between prepare_data and setup cannot point them at different entries."""
         c = self.config
         key: dict = {"version": FORMAT_VERSION, "task": c.task, "val_fraction": c.val_fraction}
         key["max_len"] = [c.max_source_len, c.max_target_len]
@@ -71,13 +73,13 @@ class Seq2SeqDataModule(CachedDataModule):
 
     @property
     def cache_entry(self) -> Path:
-        return entry_path(self.config.cache_dir, "seq2seq", self._cache_key())
+        return entry_path(self.config.cache_dir, "seq2seq", self._cache_key)
 
     def _build(self, out: Path) -> None:
         texts, facts = TASK_BUILDERS[self.config.task](self.config)
         tokenizer, splits, val_chars_dropped = tokenize(texts)
-        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-        meta = {"key": self._cache_key(), "dtype": np.dtype(dtype).name, **facts}
+        dtype = token_dtype(tokenizer)
+        meta = {"key": self._cache_key, "dtype": np.dtype(dtype).name, **facts}
         meta |= {"vocab_size": tokenizer.vocab_size, "val_chars_dropped": val_chars_dropped}
         for split, pair in splits.items():
             pair, meta[f"{split}_empty_sources_dropped"] = drop_empty_sources(pair)

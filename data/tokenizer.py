@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 
@@ -229,6 +230,12 @@ def _byte_level_bytes() -> dict[str, int]:
 TOKENIZERS = {"char": CharTokenizer, "bpe": BPETokenizer}
 # The `tokenizers` model each of our tokenizers saves as.
 LIBRARY_MODELS = {"char": models.WordLevel, "bpe": models.BPE}
+
+
+def token_dtype(tokenizer: CharTokenizer | BPETokenizer) -> type:
+    """The narrowest unsigned type that holds every id of `tokenizer`: what cached token arrays
+    are stored in."""
+    return np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
 
 
 def tokenizer_from_dict(d: dict) -> CharTokenizer | BPETokenizer:

@@ -227,6 +227,22 @@ def test_pairs_from_local_files(name, columns, pair_files, cache_dir):
     assert batch["source"].shape[0] == 4
 
 
+def test_a_pairs_file_edited_between_prepare_and_setup_is_read_as_prepared(pair_files, cache_dir):
+    """The cache entry is fixed when prepare_data first asks for it: an edit before setup (which
+    moves the file's change time, part of the key) does not send setup to an entry nobody
+    built; the next run's prepare_data sees the edit."""
+    kwargs = dict(task="pairs", paths=[str(pair_files / "pairs.jsonl")], batch_size=4)
+    module = Seq2SeqDataModule(**kwargs, cache_dir=cache_dir)
+    module.prepare_data()
+    with open(pair_files / "pairs.jsonl", "a") as f:
+        f.write(json.dumps({"source": "added", "target": "dedda"}) + "\n")
+    module.setup()
+    assert len(texts(module, "train")) + len(texts(module, "val")) == 40
+    again = prepared(**kwargs, cache_dir=cache_dir)
+    assert not again.cache_hit and again.cache_entry != module.cache_entry
+    assert ("added", "dedda") in texts(again, "train") + texts(again, "val")
+
+
 def test_pairs_errors(pair_files, cache_dir):
     def prepare(*names: str, **kwargs) -> None:
         paths = [str(pair_files / name) for name in names]
