@@ -63,7 +63,13 @@ def check_int(key: str, value: object, minimum: int = 1, optional: bool = False)
     check(is_int(value, minimum), key, expected + (" or null" if optional else ""), value)
 
 
-TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    os.PathLike: "a path",
+}
 
 
 def _fits(value: object, expected: object) -> bool:
@@ -73,7 +79,7 @@ def _fits(value: object, expected: object) -> bool:
         return is_number(value)
     if expected is int:
         return is_int(value)
-    if expected in (str, bool):
+    if expected in (str, bool, os.PathLike):
         return isinstance(value, expected)
     if dataclasses.is_dataclass(expected):
         return isinstance(value, expected | dict)  # a nested config, or its dict from Hydra

@@ -4,6 +4,7 @@ and the (x, y) blocks cut from a stream. data/lm.py builds the training streams 
 """
 
 import io
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from data.sources import (
     whole_split,
 )
 from data.tokenizer import BPETokenizer, CharTokenizer, token_dtype
-from errors import check, check_int, is_number
+from errors import check, check_field_types, check_int
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when text is read
     import datasets
@@ -58,15 +59,16 @@ class LMDataConfig:
     streaming: bool = False  # read the source as a stream: corpora larger than memory
     tokenizer: str = "char"
     bpe_vocab_size: int = 1024  # tokenizer=bpe: the vocabulary it learns
-    tokenizer_file: str | None = None  # reuse this saved tokenizer instead of training one
+    tokenizer_file: str | os.PathLike | None = None  # reuse this saved tokenizer, not a new one
     block_size: int = 128
     batch_size: int = 32
     val_fraction: float = 0.1
-    cache_dir: str = ".cache/tinyformer"
+    cache_dir: str | os.PathLike = ".cache/tinyformer"
     num_workers: int = 0
     num_proc: int = 1  # processes tokenizing the corpus (`datasets.map`), when not streaming
 
     def __post_init__(self) -> None:
+        check_field_types(self, "data.")
         if self.source not in SOURCES:
             raise ValueError(f"data.source must be one of {list(SOURCES)}, got {self.source!r}")
         if self.tokenizer not in TOKENIZERS:
@@ -78,12 +80,10 @@ class LMDataConfig:
         check_int("data.num_workers", self.num_workers, minimum=0)
         check_int("data.num_proc", self.num_proc)
         v = self.val_fraction
-        check(is_number(v) and 0 < v < 1, "data.val_fraction", "a number between 0 and 1", v)
+        check(0 < v < 1, "data.val_fraction", "a number between 0 and 1", v)
         if not self.cache_dir:
             raise ValueError(f"data.cache_dir must be a directory path, got {self.cache_dir!r}")
-        if not isinstance(self.streaming, bool):
-            raise ValueError(f"data.streaming must be true or false, got {self.streaming!r}")
-        if not (isinstance(self.text_column, str) and self.text_column):
+        if not self.text_column:
             raise ValueError(f"data.text_column must be a column name, got {self.text_column!r}")
         # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
         self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())

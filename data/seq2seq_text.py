@@ -3,6 +3,7 @@ it): the data options, the tasks that build (source, target) text pairs, their t
 batches of them, and the pairs evaluate.py scores. data/seq2seq.py caches the tasks' pairs for
 training."""
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +26,7 @@ from data.pairs import (
 )
 from data.sources import expand_paths, load_shakespeare, train_val_split
 from data.tokenizer import CharTokenizer
-from errors import check as check_value
-from errors import is_int, is_number
+from errors import check, check_field_types, check_int
 
 TASKS = ("denoise", "next_line", "pairs")
 CORRUPTIONS = ("char", "span")
@@ -43,7 +43,7 @@ class Seq2SeqDataConfig:
     max_target_len: int = 96  # decoder positions: <bos> + target (or target + <eos>)
     batch_size: int = 64
     val_fraction: float = 0.1
-    cache_dir: str = ".cache/tinyformer"
+    cache_dir: str | os.PathLike = ".cache/tinyformer"
     num_workers: int = 0
     seed: int = 1234
     paths: list[str] = field(default_factory=list)
@@ -54,31 +54,33 @@ class Seq2SeqDataConfig:
     val_subset: int = 256
 
     def __post_init__(self) -> None:
-        def check(ok: bool, key: str, expected: str) -> None:
-            check_value(ok, f"data.{key}", expected, getattr(self, key))
-
-        check(self.task in TASKS, "task", f"one of {list(TASKS)}")
-        check(self.corruption in CORRUPTIONS, "corruption", f"one of {list(CORRUPTIONS)}")
+        check_field_types(self, "data.")
+        check(self.task in TASKS, "data.task", f"one of {list(TASKS)}", self.task)
+        corruption, known = self.corruption, list(CORRUPTIONS)
+        check(corruption in CORRUPTIONS, "data.corruption", f"one of {known}", corruption)
         rate = self.noise_rate
-        check(is_number(rate) and 0 < rate < 1, "noise_rate", "a number between 0 and 1")
-        check(is_number(self.mean_span) and self.mean_span >= 1, "mean_span", "a number >= 1")
+        check(0 < rate < 1, "data.noise_rate", "a number between 0 and 1", rate)
+        check(self.mean_span >= 1, "data.mean_span", "a number >= 1", self.mean_span)
         # A denoising source holds a whole passage; a target also needs room for <bos>/<eos>.
         shortest = MIN_PASSAGE if self.task == "denoise" else 1
         for key, least in (("max_source_len", shortest), ("max_target_len", shortest + 1)):
-            check(is_int(getattr(self, key), least), key, f"an integer >= {least} for {self.task}")
-        for key in ("batch_size", "val_subset"):
-            check(is_int(getattr(self, key), 1), key, "a positive integer")
-        check(is_int(self.num_workers, 0), "num_workers", "a non-negative integer")
-        check(is_int(self.seed, 0), "seed", "a non-negative integer")
+            length = getattr(self, key)
+            check(length >= least, f"data.{key}", f"an integer >= {least} for {self.task}", length)
+        check_int("data.batch_size", self.batch_size)
+        check_int("data.val_subset", self.val_subset)
+        check_int("data.num_workers", self.num_workers, minimum=0)
+        check_int("data.seed", self.seed, minimum=0)
         v = self.val_fraction
-        check(is_number(v) and 0 < v < 1, "val_fraction", "a number between 0 and 1")
-        check(bool(self.cache_dir), "cache_dir", "a directory path")
+        check(0 < v < 1, "data.val_fraction", "a number between 0 and 1", v)
+        check(bool(self.cache_dir), "data.cache_dir", "a directory path", self.cache_dir)
         for key in ("source_column", "target_column"):
-            check(isinstance(getattr(self, key), str) and getattr(self, key), key, "a column name")
+            check(bool(getattr(self, key)), f"data.{key}", "a column name", getattr(self, key))
         # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
         self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
-        check(all(isinstance(p, str) and p for p in self.paths), "paths", "a list of file paths")
-        check(self.hub_config is None or bool(self.hub_name), "hub_config", "null without hub_name")
+        paths_ok = all(isinstance(p, str) and p for p in self.paths)
+        check(paths_ok, "data.paths", "a list of file paths", self.paths)
+        config_ok = self.hub_config is None or bool(self.hub_name)
+        check(config_ok, "data.hub_config", "null without hub_name", self.hub_config)
         if self.task != "pairs" and (self.paths or self.hub_name):
             raise ValueError(
                 f"data.paths and data.hub_name are only read by task=pairs, got task={self.task}; "

@@ -256,7 +256,7 @@ def test_unigram_loss_is_a_sane_baseline(dm):
     [
         ({"batch_size": 0}, "data.batch_size must be a positive integer, got 0"),
         ({"block_size": -3}, "data.block_size must be a positive integer, got -3"),
-        ({"block_size": 1.5}, "data.block_size must be a positive integer, got 1.5"),
+        ({"block_size": 1.5}, "data.block_size must be an integer, got 1.5"),
         ({"num_workers": -1}, "data.num_workers must be a non-negative integer, got -1"),
         ({"val_fraction": 1.0}, "data.val_fraction must be a number between 0 and 1, got 1.0"),
         (
@@ -276,6 +276,11 @@ def test_unigram_loss_is_a_sane_baseline(dm):
         ({"config": "raw"}, "data.config is only read by source=hub"),
         ({"text_column": ""}, "data.text_column must be a column name, got ''"),
         ({"cache_dir": ""}, "data.cache_dir must be a directory path, got ''"),
+        # Types first, as the shell gives them: each key named before anything uses the value
+        ({"cache_dir": 5}, "data.cache_dir must be a string or a path, got 5"),
+        ({"tokenizer_file": 5}, "data.tokenizer_file must be a string or a path or null, got 5"),
+        ({"source": "hub", "name": 5}, "data.name must be a string or null, got 5"),
+        ({"val_fraction": "x"}, "data.val_fraction must be a number, got 'x'"),
     ],
 )
 def test_config_validation_names_the_key(kwargs, message):
