@@ -42,6 +42,15 @@ CASES = [
     ("compile_mode_without_compile", "train.py", ["compile_mode=reduce-overhead"],
      "error: compile_mode must be default unless compile=true (add compile=true, or drop "
      "compile_mode), got 'reduce-overhead'"),
+    # generate.py's options that the end-of-run sample cannot use fail before training, not after
+    ("end_sample_on_a_gpu_graph", "train.py", ["+sample.cuda_graph=true"],
+     "error: sample.cuda_graph=True is for generate.py: the end-of-run sample decodes on the "
+     "CPU from sample.prompt; drop it, and after the run use python generate.py ckpt=<run dir> "
+     "cuda_graph=..."),
+    ("end_sample_by_beam_search", "train.py", ["+sample.decoding=beam"],
+     "error: sample.decoding='beam' is for generate.py on an encoder-decoder"),
+    ("end_sample_too_cold", "train.py", ["sample.temperature=0"],
+     "error: sample.temperature must be > 0, got 0"),
     ("unknown_nonfinite_action", "train.py", ["on_nonfinite=ignore"],
      "error: on_nonfinite='ignore' is not one of stop, skip"),
     ("unknown_position", "train.py", ["model.position=spiral"], "error: model.position='spiral'"),

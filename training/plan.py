@@ -20,6 +20,9 @@ from training.sweep import in_sweep
 
 # torch.compile's modes (compile_mode=)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# generate.py's options that the end-of-run sample (sampled or greedy, on the CPU, from
+# sample.prompt) has no use for
+GENERATE_ONLY = ("source", "attention_plot", "cuda_graph", "compile")
 
 
 @dataclasses.dataclass
@@ -74,5 +77,26 @@ def check_options(cfg: DictConfig) -> Plan:
         kind,
         model=instantiate_checked(cfg.model),
         optim=OptimConfig(**cfg.optim),
-        sample=SamplingConfig(**OmegaConf.to_container(cfg.sample, resolve=True)),
+        sample=end_of_run_sample(OmegaConf.to_container(cfg.sample, resolve=True)),
     )
+
+
+def end_of_run_sample(options: dict) -> SamplingConfig:
+    """train.py's `sample.*`: generate.py's sampling options, less those the end-of-run sample
+    cannot honour, which would otherwise fail or be ignored only once the run is over."""
+    for key in GENERATE_ONLY:
+        if options.get(key) not in (None, False):  # their defaults
+            raise ValueError(
+                f"sample.{key}={options[key]!r} is for generate.py: the end-of-run sample decodes "
+                f"on the CPU from sample.prompt; drop it, and after the run use python "
+                f"generate.py ckpt=<run dir> {key}=..."
+            )
+    if options.get("decoding") == "beam":
+        raise ValueError(
+            "sample.decoding='beam' is for generate.py on an encoder-decoder; the end-of-run "
+            "sample is sample or greedy"
+        )
+    try:
+        return SamplingConfig(**options)
+    except ValueError as error:  # its messages lead with the key, named as generate.py's
+        raise ValueError(f"sample.{error}") from None
