@@ -330,7 +330,8 @@ class LMDataModule(CachedDataModule):
         return self._loader(blocks, train=False, collate_fn=whole_batch)
 
     def val_sample(self, length: int) -> torch.Tensor:
-        """The first `length` validation tokens: fixed, and starting at a speaker's name."""
+        """The first `length` validation tokens: fixed from one call to the next (for the
+        embedded plays, they start at a speaker's name)."""
         val = self._split("val")
         if not 0 < length <= len(val):
             raise ValueError(f"val_sample length must be in [1, {len(val)}], got {length}")

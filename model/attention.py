@@ -11,10 +11,11 @@ Mask convention, everywhere in the project: a boolean mask is True where attenti
 Masks broadcast against the scores, shape (..., Tq, Tk). A query whose keys are all masked
 attends to nothing: its weights and its output are zeros, never NaN.
 
-Three paths compute the same thing. The math path below returns the attention weights; the fused
+Four paths compute the same thing. The math path below returns the attention weights; the fused
 path (torch's kernel) is used when nobody asks for them, and is faster and lighter. A sliding
 window over a long sequence goes to local_attention, which runs the same kernel on blocks of the
-band so that it costs T·W instead of T².
+band so that it costs T·W instead of T². A GPU's one-query decoding step over a static cache
+goes to one_query_attention: three small products, where the fused kernel tiles 64 queries.
 """
 
 import math

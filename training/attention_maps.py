@@ -1,5 +1,6 @@
 """Attention maps and per-head statistics of a fixed validation sample, logged while training
-(the recording, statistics and figures are model/inspect.py's)."""
+(the recording and statistics are model/inspect.py's, the figures model/figures.py's, drawn in
+a process of their own by training/map_drawing.py)."""
 
 import shutil
 import tempfile

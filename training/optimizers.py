@@ -2,7 +2,7 @@
 matrices with AdamW for the rest (embeddings, norms, biases), as one torch Optimizer.
 
 Lightning's automatic optimization drives one optimizer per module, and an LR scheduler drives
-one optimizer's param_groups; MuonWithAdamW is both of torch's optimizers behind one such object:
+one optimizer's param_groups; MuonWithAdamW is both optimizers behind one such object:
 its param_groups are theirs (the scheduler's changes reach them), its state is theirs (one
 checkpoint entry holds both), and step() steps both.
 """
@@ -139,8 +139,9 @@ def stackable(params) -> list[list[Tensor]]:
 
 
 class MuonWithAdamW(Optimizer):
-    """Muon (torch's, orthogonalising in bf16 only where it is native) on `matrices` (2-D
-    weights), torch.optim.AdamW (fused) on `others`; each a list of param_group dicts."""
+    """Muon (this file's: torch.optim.Muon's update, orthogonalising in bf16 only where it is
+    native) on `matrices` (2-D weights), torch.optim.AdamW (fused) on `others`; each a list of
+    param_group dicts."""
 
     def __init__(
         self,
