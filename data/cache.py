@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data.files import disk_full_cause
 from data.sampler import RankShard, ResumableLoader, ResumableShuffle
 from data.tokenizer import CharTokenizer, load_tokenizer
 
@@ -30,8 +31,6 @@ from data.tokenizer import CharTokenizer, load_tokenizer
 MARKER = "meta.json"
 # How long a process waits for another one's build before saying on stderr whom it waits for.
 WAIT_NOTICE_SECONDS = 5.0
-# What a write fails with when the disk, or the user's quota on it, is full.
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def entry_path(cache_dir: str | os.PathLike, kind: str, key: object) -> Path:
@@ -137,17 +136,6 @@ def _discard(path: Path) -> None:
     trash = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
     os.rename(path, trash)
     shutil.rmtree(trash)
-
-
-def disk_full_cause(error: BaseException | None) -> OSError | None:
-    """The full-disk OSError that is `error` or led to it (libraries wrap it), if any."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno in DISK_FULL:
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
 
 
 def _build_into_place(entry: Path, build: Callable[[Path], None]) -> None:

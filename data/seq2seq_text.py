@@ -30,7 +30,8 @@ from errors import check, check_field_types, check_int
 
 TASKS = ("denoise", "next_line", "pairs")
 CORRUPTIONS = ("char", "span")
-IGNORE_INDEX = -100  # F.cross_entropy's default: padded target positions add no loss
+# model/blocks.py's IGNORE_INDEX (data/ may not import model/): padded targets add no loss
+IGNORE_INDEX = -100
 
 
 @dataclass

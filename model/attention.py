@@ -505,12 +505,8 @@ class MultiHeadAttention(nn.Module):
         context_dim: int | None = None,
     ):
         super().__init__()
-        if d_model % config.n_head:
-            raise ValueError(
-                f"model.n_embd={d_model} is not divisible by model.attention.n_head="
-                f"{config.n_head}: pick n_head among "
-                f"{[h for h in range(1, d_model + 1) if d_model % h == 0 and h <= 64]}"
-            )
+        if d_model % config.n_head:  # the model configs say it in their keys' names first
+            raise ValueError(f"d_model={d_model} is not divisible by n_head={config.n_head}")
         self.config = config
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads

@@ -12,6 +12,8 @@ from model.layers import INIT_STD, MLP
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 # RoPE and ALiBi act inside self-attention; the others are added to the embeddings.
 POSITIONS_IN_ATTENTION = ("rope", "alibi")
+# The target id the models' loss ignores (padding); data/seq2seq_text.py pads with the same.
+IGNORE_INDEX = -100
 
 
 @dataclass

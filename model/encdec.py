@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from errors import check_int
 from model.attention import KVCache
 from model.blocks import (
+    IGNORE_INDEX,
     Block,
     TransformerConfig,
     init_weights,
@@ -71,7 +72,7 @@ class DecoderCache:
 class EncoderDecoder(nn.Module):
     """forward(source (B, S), target_in (B, T), masks, targets) -> (logits (B, T, V), loss).
 
-    Masks are boolean, True for real tokens. Targets use -100 where the loss ignores them.
+    Masks are boolean, True for real tokens. Targets hold IGNORE_INDEX where the loss ignores them.
     """
 
     def __init__(self, config: EncDecConfig):
@@ -149,7 +150,7 @@ class EncoderDecoder(nn.Module):
         loss = F.cross_entropy(
             logits.flatten(0, 1),
             targets.flatten(),
-            ignore_index=-100,
+            ignore_index=IGNORE_INDEX,
             label_smoothing=self.config.label_smoothing,
         )
         return logits, loss

@@ -8,15 +8,13 @@ from torch import Tensor, nn
 from errors import check_int
 from model.attention import KVCache, StaticKVCache, StaticPositions
 from model.blocks import (
-    POSITIONS,
+    IGNORE_INDEX,
     Block,
     TransformerConfig,
     init_weights,
     optimizer_groups,
 )
 from model.layers import AddedPositions, dropout_layer
-
-__all__ = ["GPT", "GPTConfig", "POSITIONS"]
 
 
 @dataclass
@@ -97,7 +95,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         return logits, loss
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:

@@ -220,7 +220,7 @@ def test_unscaled_scores_grow_as_sqrt_dk_and_scaling_normalises(d_k):
 
 
 def test_d_model_not_divisible_by_n_head():
-    with pytest.raises(ValueError, match=r"n_embd=10 .*n_head=4"):
+    with pytest.raises(ValueError, match=r"d_model=10 is not divisible by n_head=4"):
         MultiHeadAttention(10, AttentionConfig(n_head=4))
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from data.seq2seq_text import IGNORE_INDEX
 from helpers import BOS, EOS, FIRST_WORD, PAD, sharpened, tiny_encdec
 from model.attention import AttentionConfig
 from model.blocks import POSITIONS
@@ -327,20 +328,21 @@ def test_shared_embeddings_tie_source_target_and_head():
 
 
 def test_loss_label_smoothing_and_ignored_positions():
+    """Target positions that the data pads (with its IGNORE_INDEX) add nothing to the loss."""
     plain = tiny_encdec(VOCAB, label_smoothing=0.0)
     smooth = tiny_encdec(VOCAB, label_smoothing=0.2)
     smooth.load_state_dict(plain.state_dict())
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 6))
     targets = torch.randint(VOCAB, (3, 6))
-    targets[0, 4:] = -100
-    targets[2, :2] = -100
+    targets[0, 4:] = IGNORE_INDEX
+    targets[2, :2] = IGNORE_INDEX
     logits, loss = plain(source, target_in, mask, targets=targets)
     smooth_logits, smooth_loss = smooth(source, target_in, mask, targets=targets)
     torch.testing.assert_close(smooth_logits, logits)
     assert plain(source, target_in, mask)[1] is None
 
-    keep = targets != -100
+    keep = targets != IGNORE_INDEX
     log_probs = logits[keep].log_softmax(-1)
     nll = -log_probs.gather(-1, targets[keep][:, None]).squeeze(-1)
     torch.testing.assert_close(loss, nll.mean())

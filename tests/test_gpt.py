@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from helpers import tiny_encdec, tiny_gpt
 from model import layers
 from model.attention import AttentionConfig
+from model.blocks import POSITIONS
 from model.generation import decoding_step
-from model.gpt import GPT, POSITIONS, GPTConfig
+from model.gpt import GPT, GPTConfig
 from model.layers import (
     INIT_STD,
     AddedPositions,

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from data.cache import disk_full_cause
+from data.files import disk_full_cause
 from model.checkpoint import load_safely
 
 

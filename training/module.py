@@ -20,6 +20,7 @@ from data.metrics import character_error_rate
 from data.seq2seq_text import pad_sequences
 from data.tokenizer import tokenizer_from_dict
 from errors import check_field_types, check_int
+from model.blocks import IGNORE_INDEX
 from model.checkpoint import build_model
 from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
@@ -29,8 +30,6 @@ from training.optimizers import OPTIMIZERS, build_optimizer, join_saved_state, p
 
 # query labels and key labels of an attention map, by the map's name
 LabelsFor = Callable[[str], tuple[list[str], list[str]]]
-# targets the models' loss ignores (padding): not scored by token accuracy either
-IGNORE_INDEX = -100
 
 
 @dataclass

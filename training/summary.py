@@ -3,7 +3,6 @@ end-of-run sample before training too (its prompt is checked then), and at the e
 summary.json (for report.py and for people) and the printout of the best checkpoint."""
 
 import json
-import os
 import shlex
 import sys
 import time
@@ -16,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
 
+from data.files import write_text_atomic
 from data.lm import LMDataModule
 from data.tokenizer import tokenizer_from_dict
 from model.checkpoint import load_checkpoint
@@ -103,9 +103,7 @@ def write_summary(output_dir: str, summary: dict) -> None:
     summary = {"overrides": list(job.overrides.task), "job": number, **summary}
     path = Path(output_dir) / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".summary.json.{os.getpid()}.partial")
-    temporary.write_text(json.dumps(summary, indent=2))
-    os.replace(temporary, path)  # a reader never sees half a file
+    write_text_atomic(path, json.dumps(summary, indent=2))
 
 
 def print_end(trainer: L.Trainer, sample: SamplingConfig, datamodule, run_dir: str) -> None:
