@@ -62,26 +62,26 @@ def gpt2_config(model: GPT, vocab_size: int) -> dict:
     }
 
 
-def _layout(n_layer: int) -> list[tuple[tuple[str, ...], str, bool]]:
-    """(our names, GPT-2's name, transposed): ours are joined along the output axis into theirs,
-    and transposed for a Conv1D weight."""
+def _layout(n_layer: int) -> list[tuple[str, str, bool]]:
+    """(our name, GPT-2's name, transposed): a Conv1D weight of GPT-2's is our Linear's
+    transposed."""
     pairs = [
-        (("tok_emb.weight",), "transformer.wte.weight", False),
-        (("pos_emb.weight",), "transformer.wpe.weight", False),
-        (("ln_f.weight",), "transformer.ln_f.weight", False),
-        (("ln_f.bias",), "transformer.ln_f.bias", False),
+        ("tok_emb.weight", "transformer.wte.weight", False),
+        ("pos_emb.weight", "transformer.wpe.weight", False),
+        ("ln_f.weight", "transformer.ln_f.weight", False),
+        ("ln_f.bias", "transformer.ln_f.bias", False),
     ]
     for i in range(n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
         for kind in ("weight", "bias"):
             linear = kind == "weight"
             pairs += [
-                ((f"{ours}ln_1.{kind}",), f"{theirs}ln_1.{kind}", False),
-                ((f"{ours}ln_2.{kind}",), f"{theirs}ln_2.{kind}", False),
-                ((f"{ours}attn.qkv_proj.{kind}",), f"{theirs}attn.c_attn.{kind}", linear),
-                ((f"{ours}attn.out_proj.{kind}",), f"{theirs}attn.c_proj.{kind}", linear),
-                ((f"{ours}mlp.fc.{kind}",), f"{theirs}mlp.c_fc.{kind}", linear),
-                ((f"{ours}mlp.proj.{kind}",), f"{theirs}mlp.c_proj.{kind}", linear),
+                (f"{ours}ln_1.{kind}", f"{theirs}ln_1.{kind}", False),
+                (f"{ours}ln_2.{kind}", f"{theirs}ln_2.{kind}", False),
+                (f"{ours}attn.qkv_proj.{kind}", f"{theirs}attn.c_attn.{kind}", linear),
+                (f"{ours}attn.out_proj.{kind}", f"{theirs}attn.c_proj.{kind}", linear),
+                (f"{ours}mlp.fc.{kind}", f"{theirs}mlp.c_fc.{kind}", linear),
+                (f"{ours}mlp.proj.{kind}", f"{theirs}mlp.c_proj.{kind}", linear),
             ]
     return pairs
 
@@ -119,9 +119,9 @@ def to_gpt2(model: GPT, vocab_size: int) -> dict[str, Tensor]:
         return torch.zeros(state[name.removesuffix("bias") + "weight"].size(0))
 
     weights = {}
-    for names, theirs, transposed in _layout(model.config.n_layer):
-        joined = torch.cat([ours(name) for name in names])
-        weights[theirs] = (joined.T if transposed else joined).contiguous()
+    for name, theirs, transposed in _layout(model.config.n_layer):
+        weight = ours(name)
+        weights[theirs] = (weight.T if transposed else weight).contiguous()
     weights["transformer.wte.weight"] = weights["transformer.wte.weight"][:vocab_size]
     weights["lm_head.weight"] = weights["transformer.wte.weight"]  # tied, as ours
     return weights
@@ -132,10 +132,9 @@ def from_gpt2(weights: dict[str, Tensor], model: GPT) -> dict[str, Tensor]:
     inverse of to_gpt2 for a model of the vocabulary it was cut to."""
     expected = model.state_dict().keys()
     state = {}
-    for names, theirs, transposed in _layout(model.config.n_layer):
-        joined = weights[theirs].T if transposed else weights[theirs]
-        for name, part in zip(names, joined.chunk(len(names)), strict=True):
-            if name in expected:  # a model without biases exported zeros for them
-                state[name] = part.contiguous()
+    for name, theirs, transposed in _layout(model.config.n_layer):
+        if name in expected:  # a model without biases exported zeros for them
+            weight = weights[theirs]
+            state[name] = (weight.T if transposed else weight).contiguous()
     state["lm_head.weight"] = state["tok_emb.weight"]
     return state
