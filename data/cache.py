@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from data.files import disk_full_cause
 from data.sampler import RankShard, ResumableLoader, ResumableShuffle
-from data.tokenizer import CharTokenizer, load_tokenizer
+from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
 # A complete entry holds this file; it is the last one a build writes (with write_marker).
 MARKER = "meta.json"
@@ -204,7 +204,7 @@ class CachedDataModule(L.LightningDataModule):
     def __init__(self) -> None:
         super().__init__()
         self.cache_hit = False
-        self._tokenizer: CharTokenizer | None = None
+        self._tokenizer: CharTokenizer | BPETokenizer | None = None
         self._splits: dict = {}
 
     def keep_config(self, config) -> None:
@@ -244,7 +244,7 @@ class CachedDataModule(L.LightningDataModule):
         return self._splits[name]
 
     @property
-    def tokenizer(self) -> CharTokenizer:
+    def tokenizer(self) -> CharTokenizer | BPETokenizer:
         self._split("train")
         return self._tokenizer
 

@@ -7,10 +7,14 @@ for a <mask> token among them."""
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from data.sources import datasets_cache_for, expand_paths, hub_split, hub_title, load_hub
+
+if TYPE_CHECKING:  # it imports this module
+    from data.seq2seq_text import Seq2SeqDataConfig
 
 MIN_PASSAGE = 16  # shorter passages hold too little context to restore
 MASK = -1  # stands for <mask> in arrays of code points, before the tokenizer exists
@@ -152,7 +156,7 @@ def file_format(files: Sequence[Path]) -> str:
     return formats.pop()
 
 
-def load_pair_texts(c) -> tuple[list[str], list[str]]:
+def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
     """The source and target columns of the local files or Hub dataset (rows with a missing
     value are skipped)."""
     if c.hub_name:

@@ -68,7 +68,7 @@ class TransformerConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def for_tokenizer(self, tokens: int):
+    def for_tokenizer(self, tokens: int) -> "TransformerConfig":
         """This config with the embedding's rows set for a tokenizer of `tokens` tokens: exactly
         those, unless model.vocab_size pads them (the GPT only: see GPTConfig)."""
         if self.vocab_size not in (None, tokens):
@@ -79,7 +79,7 @@ class TransformerConfig:
         return replace(self, vocab_size=tokens)
 
     @classmethod
-    def from_dict(cls, values: dict):
+    def from_dict(cls, values: dict) -> "TransformerConfig":
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -7,6 +7,7 @@ counters, view tracking). The tensors it returns cannot enter autograd later; no
 needs them to."""
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +16,30 @@ from model.attention import KVCache
 from model.encdec import EncoderDecoder
 from model.gpt import GPT
 from model.layers import split_one_rows
+
+
+class Tokenizer(Protocol):
+    """What decoding and its printouts use of a tokenizer (data/tokenizer.py's two kinds; model/
+    may not import data/)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    @property
+    def pad_id(self) -> int | None: ...
+
+    @property
+    def special_ids(self) -> set[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -354,7 +379,7 @@ def _until_eos(row: list[int], eos_id: int) -> list[int]:
     return row[: row.index(eos_id)] if eos_id in row else row
 
 
-def decoding_ids(tokenizer) -> dict:
+def decoding_ids(tokenizer: Tokenizer) -> dict:
     """The decoders' bos_id, eos_id and `never` (every other special token) for a tokenizer."""
     eos = tokenizer.eos_id
     never = sorted(set(tokenizer.special_ids) - {eos})

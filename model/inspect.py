@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:  # matplotlib loads when a figure is drawn: recording and statistics need none
+if TYPE_CHECKING:  # for the hints only: matplotlib loads when a figure is drawn
     from matplotlib.figure import Figure
+
+    from model.generation import Tokenizer
 
 from model.attention import MultiHeadAttention, masked_softmax
 from model.figures import MAX_LABELLED_TOKENS, HeadMaps, plot_heads
@@ -83,9 +85,8 @@ def head_maps(record: AttentionRecord) -> HeadMaps:
     return HeadMaps(record.name, record.weights.cpu().numpy(), entropy.cpu().numpy())
 
 
-def token_labels(tokenizer, ids: list[int]) -> list[str]:
-    """Each id's text, special tokens included: a figure's axis labels. `tokenizer` is any
-    object with data.tokenizer's decode(ids, skip_special=...)."""
+def token_labels(tokenizer: "Tokenizer", ids: list[int]) -> list[str]:
+    """Each id's text, special tokens included: a figure's axis labels."""
     return [tokenizer.decode([i], skip_special=False) for i in ids]
 
 

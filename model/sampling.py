@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from errors import check, check_field_types, check_int
-from model.generation import generate
+from model.generation import Tokenizer, generate
 from model.gpt import GPT
 
 SEPARATOR = "-" * 40  # the line between two samples
@@ -80,7 +80,7 @@ class SamplingConfig:
         }
 
 
-def encode(tokenizer, text: str, key: str) -> list[int]:
+def encode(tokenizer: Tokenizer, text: str, key: str) -> list[int]:
     """`text` as token ids; a character the tokenizer lacks names the option `key` it came from."""
     try:
         return tokenizer.encode(text)
@@ -89,7 +89,7 @@ def encode(tokenizer, text: str, key: str) -> list[int]:
 
 
 def stream_samples(
-    model: GPT, tokenizer, config: SamplingConfig, device: torch.device
+    model: GPT, tokenizer: Tokenizer, config: SamplingConfig, device: torch.device
 ) -> list[list[int]]:
     """Print num_samples continuations of the prompt, token by token; return their ids."""
     if config.decoding == "beam":

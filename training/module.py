@@ -16,18 +16,21 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric, SumMetric
 
+from data.lm import LMDataModule
 from data.metrics import character_error_rate
+from data.seq2seq import Seq2SeqDataModule
 from data.seq2seq_text import pad_sequences
 from data.tokenizer import tokenizer_from_dict
 from errors import check_field_types, check_int
 from model.blocks import IGNORE_INDEX
 from model.checkpoint import build_model
 from model.encdec import EncoderDecoder
-from model.generation import decode_greedy_or_sample, decoding_ids
+from model.generation import Tokenizer, decode_greedy_or_sample, decoding_ids
 from model.inspect import token_labels
 from training.guard import TrainingDiverged, UpdateGuard, check_nonfinite_action
 from training.optimizers import OPTIMIZERS, build_optimizer, join_saved_state, peak_rates
 
+DataModule = LMDataModule | Seq2SeqDataModule
 # query labels and key labels of an attention map, by the map's name
 LabelsFor = Callable[[str], tuple[list[str], list[str]]]
 
@@ -117,7 +120,9 @@ class TrainingModule(L.LightningModule):
         """(loss, logits, number of real tokens in the batch)."""
         raise NotImplementedError
 
-    def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
+    def attention_sample(
+        self, datamodule: DataModule, length: int
+    ) -> tuple[Callable[[], object], LabelsFor]:
         """A forward pass over a fixed validation sample, and the axis labels of its maps. The
         pass calls forward() itself, eagerly: through a compiled model (compile=true), the
         recording hooks would make torch.compile recompile it at every map."""
@@ -327,7 +332,9 @@ class LanguageModelModule(TrainingModule):
         logits, loss = self.model(x, y)
         return loss, logits, y.numel()
 
-    def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
+    def attention_sample(
+        self, datamodule: DataModule, length: int
+    ) -> tuple[Callable[[], object], LabelsFor]:
         sample = datamodule.val_sample(min(length, self.model.config.block_size)).to(self.device)
         labels = token_labels(self.tokenizer, sample.tolist())
         return (lambda: self.model.forward(sample[None])), (lambda name: (labels, labels))
@@ -394,7 +401,7 @@ class Seq2SeqModule(TrainingModule):
         self.log("val/exact_match", exact_match)
         self.log("val/cer", cer)
 
-    def decode_scores(self, datamodule) -> tuple[float, float]:
+    def decode_scores(self, datamodule: Seq2SeqDataModule) -> tuple[float, float]:
         """Exact match and character error rate of greedy decodes of the validation subset."""
         pairs = datamodule.val_pairs(datamodule.config.val_subset)
         predictions = greedy_decodes(self.model, self.tokenizer, [s for s, _ in pairs])
@@ -402,7 +409,9 @@ class Seq2SeqModule(TrainingModule):
         exact = sum(p == r for p, r in zip(predictions, references, strict=True)) / len(pairs)
         return exact, character_error_rate(predictions, references)
 
-    def attention_sample(self, datamodule, length: int) -> tuple[Callable[[], object], LabelsFor]:
+    def attention_sample(
+        self, datamodule: DataModule, length: int
+    ) -> tuple[Callable[[], object], LabelsFor]:
         source_ids, target_ids = datamodule.val_pairs(1)[0]
         source_ids = source_ids[:length]
         target_in = [self.tokenizer.bos_id, *target_ids[: length - 1]]
@@ -422,7 +431,7 @@ class Seq2SeqModule(TrainingModule):
 
 
 def greedy_decodes(
-    model: EncoderDecoder, tokenizer, sources: list[list[int]], batch_size: int = 128
+    model: EncoderDecoder, tokenizer: Tokenizer, sources: list[list[int]], batch_size: int = 128
 ) -> list[list[int]]:
     """Greedy decodes (ids before EOS) of source id lists, padded and decoded in batches."""
     device = next(model.parameters()).device

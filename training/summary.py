@@ -20,17 +20,18 @@ from data.lm import LMDataModule
 from data.tokenizer import tokenizer_from_dict
 from model.checkpoint import load_checkpoint
 from model.encdec import EncoderDecoder
+from model.generation import Tokenizer
 from model.sampling import SamplingConfig, stream_samples
 from training.attention_maps import AttentionMapLogger
 from training.checkpoint_io import DurableCheckpointIO
-from training.module import greedy_decodes
+from training.module import DataModule, greedy_decodes
 from training.run_history import RunHistory
 
 # print on the first process only: every rank of a distributed run runs train.py
 print_once = rank_zero_only(print)
 
 
-def describe_baseline(datamodule) -> str:
+def describe_baseline(datamodule: DataModule) -> str:
     """What a model must beat on this data."""
     if isinstance(datamodule, LMDataModule):
         return f"unigram baseline val loss {datamodule.unigram_loss():.3f}"
@@ -42,7 +43,7 @@ def describe_baseline(datamodule) -> str:
 
 
 def checked_sample(
-    sample: SamplingConfig, tokenizer, datamodule: LMDataModule, prompt_given: bool
+    sample: SamplingConfig, tokenizer: Tokenizer, datamodule: LMDataModule, prompt_given: bool
 ) -> SamplingConfig:
     """The end-of-run sample's options, checked before training: a prompt the tokenizer cannot
     encode is an error if the user gave it, and the default is replaced by the validation
@@ -106,7 +107,9 @@ def write_summary(output_dir: str, summary: dict) -> None:
     write_text_atomic(path, json.dumps(summary, indent=2))
 
 
-def print_end(trainer: L.Trainer, sample: SamplingConfig, datamodule, run_dir: str) -> None:
+def print_end(
+    trainer: L.Trainer, sample: SamplingConfig, datamodule: DataModule, run_dir: str
+) -> None:
     """The start-up cost, where the best checkpoint is, what it produces, and the command to get
     more. A failing sample is a warning: the run is complete and saved, a sample cannot undo it."""
     history = next((c for c in trainer.callbacks if isinstance(c, RunHistory)), None)
@@ -118,7 +121,9 @@ def print_end(trainer: L.Trainer, sample: SamplingConfig, datamodule, run_dir: s
         print(f"warning: the end-of-run sample failed ({error})", file=sys.stderr)
 
 
-def print_best(trainer: L.Trainer, sample: SamplingConfig, datamodule, run_dir: str) -> None:
+def print_best(
+    trainer: L.Trainer, sample: SamplingConfig, datamodule: DataModule, run_dir: str
+) -> None:
     callback = trainer.checkpoint_callback
     best = callback.best_model_path if callback else ""
     if not best:
