@@ -7,14 +7,16 @@
   memory, computed once) and without them.
 
     python bench/generate_speed.py [--device cuda] [--repeats 5] \
-        [--cuda-graph [--compile-step] [--tokens-per-replay 8]]
+        [--cuda-graph [--compile-step] [--tokens-per-replay 8] [--versus-tokens-per-replay 1]]
 
 With --cuda-graph the GPT's cached side decodes through StaticDecoding (model/generation.py):
 on a GPU its steps are replays of CUDA graphs, each making --tokens-per-replay tokens (on the
 CPU the same steps run one by one without a graph, each reading the whole block_size-long
 cache); with --compile-step too (on a GPU), the graphs record the step's forward pass
 compiled (the warm-up run compiles it). Each run makes its own StaticDecoding, so its time
-includes the capture.
+includes the capture. --versus-tokens-per-replay adds a third side, the same graphs making that
+many tokens a replay, run in the same rounds: its row gives the per-round speed-up of the
+first over it.
 
 The two sides run alternately, a cached run and then an uncached one, `--repeats` pairs after a
 warm-up of each; the table gives each side's median and the median (min-max) of the per-pair
@@ -25,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,33 +54,42 @@ def timed(device: torch.device, run, *args) -> tuple[float, object]:
     return time.perf_counter() - start, output
 
 
-def cached_against_uncached(run, repeats: int, device: torch.device) -> dict:
-    """run(use_cache) once each as a warm-up, then `repeats` pairs, cached and uncached one after
-    the other, so that both sides see the same machine: each side's seconds per run, the
-    per-pair speed-ups, and each side's last output."""
-    seconds = {True: [], False: []}
-    outputs = {use_cache: run(use_cache) for use_cache in (True, False)}
+def alternating(runs: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict:
+    """Each run once as a warm-up, then `repeats` rounds of every run one after the other, so
+    that all sides see the same machine: each side's seconds per round and its last output."""
+    seconds = {side: [] for side in runs}
+    outputs = {side: run() for side, run in runs.items()}
     for _ in range(repeats):
-        for use_cache in (True, False):
-            elapsed, outputs[use_cache] = timed(device, run, use_cache)
-            seconds[use_cache].append(elapsed)
-    speedups = [u / c for c, u in zip(seconds[True], seconds[False], strict=True)]
-    return {"seconds": seconds, "speedups": speedups, "outputs": outputs}
+        for side, run in runs.items():
+            elapsed, outputs[side] = timed(device, run)
+            seconds[side].append(elapsed)
+    return {"seconds": seconds, "outputs": outputs}
+
+
+def speedups(seconds: dict[str, list[float]], faster: str, slower: str) -> list[float]:
+    """Per round: the `slower` side's seconds over the `faster` side's."""
+    return [s / f for f, s in zip(seconds[faster], seconds[slower], strict=True)]
 
 
 def gpt_speed(
-    device: torch.device, repeats: int, cuda_graph: bool, compile_step: bool, per_replay: int
+    device: torch.device,
+    repeats: int,
+    cuda_graph: bool,
+    compile_step: bool,
+    per_replay: int,
+    versus: int | None = None,
 ) -> tuple[dict, int, bool]:
-    """The pairs' figures, the tokens a run makes, and whether the two sides agree (on the first
-    255 tokens: past the block the uncached side slides its context one token at a time, while
-    the cached side restarts from the last half block)."""
+    """The rounds' figures ("cached", "uncached", and "versus": cached at `versus` tokens a
+    replay, when given), the tokens a run makes, and whether all sides agree (on the first 255
+    tokens: past the block the uncached side slides its context one token at a time, while the
+    cached side restarts from the last half block)."""
     config = GPTConfig(
         vocab_size=65, block_size=256, n_layer=6, n_embd=384, attention=AttentionConfig(n_head=6)
     )
     model = GPT(config).to(device).eval()
     prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
 
-    def run(use_cache: bool) -> Tensor:
+    def run(use_cache: bool, tokens_per_replay: int = per_replay) -> Tensor:
         static_cache = use_cache and cuda_graph
         steps = generate(
             model,
@@ -86,14 +98,17 @@ def gpt_speed(
             use_cache=use_cache,
             static_cache=static_cache,
             compile_step=static_cache and compile_step,
-            tokens_per_replay=per_replay,
+            tokens_per_replay=tokens_per_replay,
             greedy=True,
         )
         return torch.stack(list(steps), dim=1)
 
-    pairs = cached_against_uncached(run, repeats, device)
-    outputs = pairs["outputs"]
-    return pairs, NEW_TOKENS, torch.equal(outputs[True][:, :255], outputs[False][:, :255])
+    runs = {"cached": lambda: run(True), "uncached": lambda: run(False)}
+    if versus is not None:
+        runs["versus"] = lambda: run(True, versus)
+    rounds = alternating(runs, repeats, device)
+    first = [output[:, :255] for output in rounds["outputs"].values()]
+    return rounds, NEW_TOKENS, all(torch.equal(first[0], other) for other in first[1:])
 
 
 def encdec_speed(device: torch.device, repeats: int) -> tuple[dict, int, bool]:
@@ -114,20 +129,22 @@ def encdec_speed(device: torch.device, repeats: int) -> tuple[dict, int, bool]:
             greedy=True,
         )
 
-    pairs = cached_against_uncached(run, repeats, device)
-    outputs = pairs["outputs"]
-    return pairs, len(outputs[True][0]), outputs[True] == outputs[False]
+    rounds = alternating(
+        {"cached": lambda: run(True), "uncached": lambda: run(False)}, repeats, device
+    )
+    outputs = rounds["outputs"]
+    return rounds, len(outputs["cached"][0]), outputs["cached"] == outputs["uncached"]
 
 
-def row(name: str, measured: tuple[dict, int, bool]) -> str:
-    """A table row: each side's median tokens/s, and the median (min-max) of the per-pair
-    speed-ups."""
-    pairs, tokens, same = measured
-    rate = {side: tokens / statistics.median(pairs["seconds"][side]) for side in (True, False)}
-    speedups = pairs["speedups"]
+def row(name: str, measured: tuple[dict, int, bool], faster: str, slower: str) -> str:
+    """A table row: the two sides' median tokens/s, and the median (min-max) of the per-round
+    speed-ups of `faster` over `slower`."""
+    rounds, tokens, same = measured
+    rate = {side: tokens / statistics.median(rounds["seconds"][side]) for side in (faster, slower)}
+    ratios = speedups(rounds["seconds"], faster, slower)
     return (
-        f"| {name} | {rate[True]:,.0f} | {rate[False]:,.0f} | "
-        f"{statistics.median(speedups):.1f}x ({min(speedups):.1f}-{max(speedups):.1f}) | {same} |"
+        f"| {name} | {rate[faster]:,.0f} | {rate[slower]:,.0f} | "
+        f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {same} |"
     )
 
 
@@ -144,27 +161,46 @@ def main() -> None:
     parser.add_argument(
         "--tokens-per-replay", type=int, default=8, help="with --cuda-graph: tokens a graph makes"
     )
+    parser.add_argument(
+        "--versus-tokens-per-replay",
+        type=int,
+        help="with --cuda-graph: a third side, the graphs making this many tokens a replay",
+    )
     args = parser.parse_args()
     if args.compile_step and (not args.cuda_graph or args.device == "cpu"):
         parser.error("--compile-step compiles the CUDA graphs' step: add --cuda-graph on a GPU")
+    versus = args.versus_tokens_per_replay
+    if versus is not None and not args.cuda_graph:
+        parser.error("--versus-tokens-per-replay is a second graph side: add --cuda-graph")
     device = torch.device(args.device)
     torch.manual_seed(0)
     print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print(
-        "| model | cached tokens/s | uncached tokens/s | speed-up, median (min-max) "
-        "| same greedy output |"
+        "| model | tokens/s, first side | tokens/s, second side | speed-up of the first, median "
+        "(min-max) | same greedy output |"
     )
     print("|---|---|---|---|---|")
-    gpt = gpt_speed(
-        device, args.repeats, args.cuda_graph, args.compile_step, args.tokens_per_replay
-    )
+    per_replay = args.tokens_per_replay
+    gpt = gpt_speed(device, args.repeats, args.cuda_graph, args.compile_step, per_replay, versus)
     graph = ""
     if args.cuda_graph:
-        graph = f", cached side: StaticDecoding, {args.tokens_per_replay} tokens a replay"
+        graph = f", cached side: StaticDecoding, {per_replay} tokens a replay"
         graph += ", compiled" if args.compile_step else ""
-    print(row(f"GPT 6x384, block 256, {NEW_TOKENS} new tokens{graph}", gpt))
+    name = f"GPT 6x384, block 256, {NEW_TOKENS} new tokens"
+    print(row(f"{name}: cached / uncached{graph}", gpt, "cached", "uncached"))
+    if versus is not None:
+        compiled = ", compiled" if args.compile_step else ""
+        sides = f"StaticDecoding, {per_replay} / {versus} tokens a replay{compiled}"
+        print(row(f"{name}: {sides}", gpt, "cached", "versus"))
     encdec = encdec_speed(device, args.repeats)
-    print(row(f"encoder-decoder 3+3x128, {encdec[1]} new tokens", encdec))
+    print(
+        row(
+            f"encoder-decoder 3+3x128, {encdec[1]} new tokens: cached / uncached",
+            encdec,
+            "cached",
+            "uncached",
+        )
+    )
 
 
 if __name__ == "__main__":

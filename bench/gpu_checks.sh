@@ -104,13 +104,12 @@ if ((steps > 0)); then
         cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"
     fi
 fi
-# Decoding with CUDA graphs of 1 and of 8 tokens a replay, their step plain and compiled
-for per_replay in 1 8; do
-    step 50 "decode_graph_$per_replay" "$python" bench/generate_speed.py --device cuda \
-        --repeats 5 --cuda-graph --tokens-per-replay "$per_replay" || failed=1
-    step 120 "decode_compiled_$per_replay" "$python" bench/generate_speed.py --device cuda \
-        --repeats 5 --cuda-graph --compile-step --tokens-per-replay "$per_replay" || failed=1
-done
+# Decoding with CUDA graphs of 1 and of 8 tokens a replay, in the same rounds, their step plain
+# and compiled
+step 75 decode_graph "$python" bench/generate_speed.py --device cuda --repeats 5 \
+    --cuda-graph --tokens-per-replay 1 --versus-tokens-per-replay 8 || failed=1
+step 150 decode_compiled "$python" bench/generate_speed.py --device cuda --repeats 5 \
+    --cuda-graph --compile-step --tokens-per-replay 1 --versus-tokens-per-replay 8 || failed=1
 # The kernels of one decoding step, eager and compiled
 step 60 decode_kernels "$python" bench/decode_kernels.py || failed=1
 # A Muon step of nanoGPT's GPU model, stacked (ours, guarded as training steps) against
