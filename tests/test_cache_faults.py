@@ -54,7 +54,9 @@ def leftovers(cache: Path) -> list[str]:
     return [p.name for p in (cache / "lm").glob(".tmp-*")]
 
 
-def wait_until(condition: Callable[[], bool], what: str, seconds: float = 60) -> None:
+def wait_until(condition: Callable[[], bool], what: str, seconds: float = 300) -> None:
+    # Generous: what is waited for starts a Python that imports torch, 19 s on a loaded 2-core CI
+    # machine
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, f"gave up waiting for {what}"

@@ -282,7 +282,8 @@ def test_throughput_counts_each_steps_real_tokens_on_every_rank(monkeypatch, kin
     monkeypatch.setattr(module, "log", log)
     monkeypatch.setattr(module, "lr_schedulers", lambda: SimpleNamespace(get_last_lr=lambda: [1]))
     clock = iter([10.0, 11.0, 12.0, 14.0])  # the ends of steps 1 to 4
-    monkeypatch.setattr("training.module.time.perf_counter", lambda: next(clock))
+    # training.module's clock only: the process's own time.perf_counter stays for everyone else
+    monkeypatch.setattr("training.module.time", SimpleNamespace(perf_counter=lambda: next(clock)))
     module.trainer = SimpleNamespace(world_size=2, log_every_n_steps=2, global_step=0, max_steps=10)
     rates = []
     for step in range(4):
