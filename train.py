@@ -29,7 +29,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
-from data.seq2seq import Seq2SeqDataModule
 from data.tokenizer import tokenizer_from_dict
 from errors import exit_on_user_error
 from training.attention_maps import finish_maps, finish_maps_later
@@ -41,7 +40,7 @@ from training.errors import (
     out_of_memory,
 )
 from training.guard import TrainingDiverged, all_steps_skipped
-from training.module import TrainingModule
+from training.module import DataModule, TrainingModule
 from training.plan import Plan, check_options
 from training.precision import fast_precision
 from training.resume import (
@@ -78,7 +77,7 @@ gc.freeze()
 gc.enable()
 
 
-def prepare_data(plan: Plan, datamodule: LMDataModule | Seq2SeqDataModule) -> None:
+def prepare_data(plan: Plan, datamodule: DataModule) -> None:
     """Tokenize (or reuse the cache), with a resumed run's tokenizer, and check the end-of-run
     sample's prompt against it. Every rank prepares the data itself (one builds the cache
     entry, the others wait for it), so the vocabulary is the same everywhere."""
@@ -144,7 +143,7 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
 def run_fit(
     trainer: L.Trainer,
     module: TrainingModule,
-    datamodule: LMDataModule | Seq2SeqDataModule,
+    datamodule: DataModule,
     plan: Plan,
     stop: StopSignals,
 ) -> tuple[str, TrainingDiverged | None]:

@@ -15,12 +15,12 @@ CPU the same steps run one by one without a graph, each reading the whole block_
 cache); with --compile-step too (on a GPU), the graphs record the step's forward pass
 compiled (the warm-up run compiles it). Each run makes its own StaticDecoding, so its time
 includes the capture. --versus-tokens-per-replay adds a third side, the same graphs making that
-many tokens a replay, run in the same rounds: its row gives the per-round speed-up of the
-first over it.
+many tokens a replay: its row gives the speed-up of --tokens-per-replay's graphs over it.
 
-The two sides run alternately, a cached run and then an uncached one, `--repeats` pairs after a
-warm-up of each; the table gives each side's median and the median (min-max) of the per-pair
-speed-ups. Weights are random: speed does not depend on them. Outputs are checked identical.
+The sides run alternately, a cached run, an uncached one (and the third side), `--repeats`
+rounds after a warm-up of each; a row gives two sides' median tokens/s and the median (min-max)
+of the per-round speed-ups. Weights are random: speed does not depend on them. Outputs are
+checked identical.
 """
 
 import argparse
@@ -43,12 +43,12 @@ from model.gpt import GPT, GPTConfig  # noqa: E402
 NEW_TOKENS = 500
 
 
-def timed(device: torch.device, run, *args) -> tuple[float, object]:
-    """Seconds run(*args) takes, and its output."""
+def timed(device: torch.device, run: Callable[[], object]) -> tuple[float, object]:
+    """Seconds run() takes, and its output."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    output = run(*args)
+    output = run()
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, output
@@ -151,7 +151,7 @@ def row(name: str, measured: tuple[dict, int, bool], faster: str, slower: str) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=5, help="pairs per model")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds per model")
     parser.add_argument(
         "--cuda-graph", action="store_true", help="the GPT's cached side replays a CUDA graph"
     )
@@ -171,7 +171,7 @@ def main() -> None:
         parser.error("--compile-step compiles the CUDA graphs' step: add --cuda-graph on a GPU")
     versus = args.versus_tokens_per_replay
     if versus is not None and not args.cuda_graph:
-        parser.error("--versus-tokens-per-replay is a second graph side: add --cuda-graph")
+        parser.error("--versus-tokens-per-replay is a third side, of graphs: add --cuda-graph")
     device = torch.device(args.device)
     torch.manual_seed(0)
     print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")

@@ -104,12 +104,12 @@ if ((steps > 0)); then
         cp "$scratch/ours-0/summary.json" "$out/ours_summary.json"
     fi
 fi
-# Decoding with CUDA graphs of 1 and of 8 tokens a replay, in the same rounds, their step plain
-# and compiled
+# Decoding with CUDA graphs of 8 tokens a replay (generate.py's default) and of 1, in the same
+# rounds, their step plain and compiled
 step 75 decode_graph "$python" bench/generate_speed.py --device cuda --repeats 5 \
-    --cuda-graph --tokens-per-replay 1 --versus-tokens-per-replay 8 || failed=1
+    --cuda-graph --tokens-per-replay 8 --versus-tokens-per-replay 1 || failed=1
 step 150 decode_compiled "$python" bench/generate_speed.py --device cuda --repeats 5 \
-    --cuda-graph --compile-step --tokens-per-replay 1 --versus-tokens-per-replay 8 || failed=1
+    --cuda-graph --compile-step --tokens-per-replay 8 --versus-tokens-per-replay 1 || failed=1
 # The kernels of one decoding step, eager and compiled
 step 60 decode_kernels "$python" bench/decode_kernels.py || failed=1
 # A Muon step of nanoGPT's GPU model, stacked (ours, guarded as training steps) against

@@ -23,6 +23,7 @@ from data.sources import (
     load_hub,
     load_shakespeare,
     load_text_files,
+    path_list,
     splits_by_tail,
     tail_split,
     whole_split,
@@ -83,12 +84,13 @@ class LMDataConfig:
         check(0 < v < 1, "data.val_fraction", "a number between 0 and 1", v)
         if not self.cache_dir:
             raise ValueError(f"data.cache_dir must be a directory path, got {self.cache_dir!r}")
+        # Strings, as a checkpoint's hyper-parameters hold them (see path_list)
+        self.cache_dir = os.fspath(self.cache_dir)
+        if self.tokenizer_file is not None:
+            self.tokenizer_file = os.fspath(self.tokenizer_file)
         if not self.text_column:
             raise ValueError(f"data.text_column must be a column name, got {self.text_column!r}")
-        # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
-        self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
-        self.val_paths = [self.val_paths] if isinstance(self.val_paths, str) else self.val_paths
-        self.val_paths = list(self.val_paths or ())
+        self.paths, self.val_paths = path_list(self.paths), path_list(self.val_paths)
         if self.val_paths and self.source != "text_files":
             raise ValueError(
                 f"data.val_paths is only read by source=text_files, got source={self.source}; "

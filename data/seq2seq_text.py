@@ -24,7 +24,7 @@ from data.pairs import (
     passages,
     split_rows,
 )
-from data.sources import expand_paths, load_shakespeare, train_val_split
+from data.sources import expand_paths, load_shakespeare, path_list, train_val_split
 from data.tokenizer import CharTokenizer
 from errors import check, check_field_types, check_int
 
@@ -76,8 +76,8 @@ class Seq2SeqDataConfig:
         check(bool(self.cache_dir), "data.cache_dir", "a directory path", self.cache_dir)
         for key in ("source_column", "target_column"):
             check(bool(getattr(self, key)), f"data.{key}", "a column name", getattr(self, key))
-        # Hydra hands lists over as ListConfig, and a single path from the shell as a string.
-        self.paths = [self.paths] if isinstance(self.paths, str) else list(self.paths or ())
+        self.cache_dir = os.fspath(self.cache_dir)  # a string, as a checkpoint holds it
+        self.paths = path_list(self.paths)
         paths_ok = all(isinstance(p, str) and p for p in self.paths)
         check(paths_ok, "data.paths", "a list of file paths", self.paths)
         config_ok = self.hub_config is None or bool(self.hub_name)

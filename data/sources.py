@@ -206,6 +206,16 @@ def expand_paths(
     return [f.resolve() for f in files]
 
 
+def path_list(value: object) -> list:
+    """A paths option as a list of strings: Hydra hands a list over as ListConfig and a single
+    path from the shell as a string, and a Python caller may give Path objects, which the
+    hyper-parameters in a checkpoint cannot hold (torch.load(weights_only=True) refuses them).
+    Anything else stays as given, for the config's own check to name."""
+    if isinstance(value, str | os.PathLike):
+        value = [value]
+    return [os.fspath(p) if isinstance(p, os.PathLike) else p for p in value or ()]
+
+
 def file_fingerprint(files: Sequence[Path]) -> list[list]:
     """Path, size, modification time, change time and inode of each file: what a cache key needs
     to notice edits. The change time moves on every write and cannot be set back, so an edit

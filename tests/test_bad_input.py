@@ -44,9 +44,9 @@ CASES = [
      "compile_mode), got 'reduce-overhead'"),
     # generate.py's options that the end-of-run sample cannot use fail before training, not after
     ("end_sample_on_a_gpu_graph", "train.py", ["+sample.cuda_graph=true"],
-     "error: sample.cuda_graph=True is for generate.py: the end-of-run sample decodes on the "
-     "CPU from sample.prompt; drop it, and after the run use python generate.py ckpt=<run dir> "
-     "cuda_graph=..."),
+     "error: sample.cuda_graph=True is generate.py's option, not the end-of-run sample's: drop "
+     "it (or set sample.cuda_graph=false), and after the run use python generate.py "
+     "ckpt=<run dir> cuda_graph=..."),
     ("end_sample_by_beam_search", "train.py", ["+sample.decoding=beam"],
      "error: sample.decoding='beam' is for generate.py on an encoder-decoder"),
     ("end_sample_too_cold", "train.py", ["sample.temperature=0"],

@@ -289,6 +289,27 @@ def test_config_validation_names_the_key(kwargs, message):
             build(**kwargs)
 
 
+def test_path_options_given_as_paths_are_kept_as_strings_a_checkpoint_loads(tmp_path):
+    """A Python caller's Path objects become strings: the DataModule's hyper-parameters go into
+    every checkpoint, and torch.load(weights_only=True) refuses a Path."""
+    (tmp_path / "a.txt").write_text("some text to read\n" * 50)
+    tokenizer = CharTokenizer.from_text("some text to read\n")
+    tokenizer.save(tmp_path / "tokenizer.json")
+    module = LMDataModule(
+        source="text_files",
+        paths=[tmp_path / "a.txt"],
+        val_paths=tmp_path / "a.txt",
+        tokenizer_file=tmp_path / "tokenizer.json",
+        cache_dir=tmp_path / "cache",
+    )
+    hparams = dict(module.hparams)
+    assert hparams["paths"] == hparams["val_paths"] == [str(tmp_path / "a.txt")]
+    assert hparams["cache_dir"] == str(tmp_path / "cache")
+    assert hparams["tokenizer_file"] == str(tmp_path / "tokenizer.json")
+    torch.save(hparams, tmp_path / "hparams.pt")
+    assert torch.load(tmp_path / "hparams.pt", weights_only=True) == hparams
+
+
 def test_block_size_longer_than_split(cache_dir, dm):
     huge = LMDataModule(block_size=10**7, cache_dir=cache_dir)
     huge.prepare_data()

@@ -243,6 +243,14 @@ def test_a_pairs_file_edited_between_prepare_and_setup_is_read_as_prepared(pair_
     assert ("added", "dedda") in texts(again, "train") + texts(again, "val")
 
 
+def test_path_options_given_as_paths_are_kept_as_strings(pair_files, tmp_path):
+    module = Seq2SeqDataModule(
+        task="pairs", paths=pair_files / "pairs.jsonl", cache_dir=tmp_path / "cache"
+    )
+    assert module.hparams["paths"] == [str(pair_files / "pairs.jsonl")]
+    assert module.hparams["cache_dir"] == str(tmp_path / "cache")
+
+
 def test_pairs_errors(pair_files, cache_dir):
     def prepare(*names: str, **kwargs) -> None:
         paths = [str(pair_files / name) for name in names]

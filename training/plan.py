@@ -20,9 +20,15 @@ from training.sweep import in_sweep
 
 # torch.compile's modes (compile_mode=)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# generate.py's options that the end-of-run sample (sampled or greedy, on the CPU, from
-# sample.prompt) has no use for
-GENERATE_ONLY = ("source", "attention_plot", "cuda_graph", "compile")
+# generate.py's options that the end-of-run sample (on the CPU: a GPT's continuation of
+# sample.prompt, an encoder-decoder's greedy decodes of validation sources) has no use for, and
+# the values that turn them off
+GENERATE_ONLY = {
+    "source": "null",
+    "attention_plot": "null",
+    "cuda_graph": "false",
+    "compile": "false",
+}
 
 
 @dataclasses.dataclass
@@ -84,11 +90,11 @@ def check_options(cfg: DictConfig) -> Plan:
 def end_of_run_sample(options: dict) -> SamplingConfig:
     """train.py's `sample.*`: generate.py's sampling options, less those the end-of-run sample
     cannot honour, which would otherwise fail or be ignored only once the run is over."""
-    for key in GENERATE_ONLY:
-        if options.get(key) not in (None, False):  # their defaults
+    for key, off in GENERATE_ONLY.items():
+        if options.get(key) not in (None, False):
             raise ValueError(
-                f"sample.{key}={options[key]!r} is for generate.py: the end-of-run sample decodes "
-                f"on the CPU from sample.prompt; drop it, and after the run use python "
+                f"sample.{key}={options[key]!r} is generate.py's option, not the end-of-run "
+                f"sample's: drop it (or set sample.{key}={off}), and after the run use python "
                 f"generate.py ckpt=<run dir> {key}=..."
             )
     if options.get("decoding") == "beam":
