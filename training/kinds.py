@@ -1,7 +1,9 @@
 """The one table of model kinds: for each, its config (from model/checkpoint.py's MODELS, which
 also holds its network, for generate.py to read without the training stack), the
 LightningModule that trains it, the DataModule that feeds it, and the data choices that provide
-that DataModule. A new kind of model is a row here and a row in MODELS."""
+that DataModule. A new kind of model is a row here, a row in MODELS, and a row in evaluate.py's
+KINDS (what it scores a checkpoint of that kind on: evaluate.py runs without Lightning, so it
+cannot read this table)."""
 
 from dataclasses import dataclass
 
