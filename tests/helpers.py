@@ -276,6 +276,15 @@ def train_run(run_dir: Path, *overrides: str, cache_dir: Path, env: dict | None 
     return run_dir
 
 
+def composed(*overrides: str):
+    """configs/train.yaml as Hydra composes it under `overrides`, with its hydra node (the
+    resolvers of train.py must be registered to resolve some of its values)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
 def val_losses(run_dir: Path) -> list[float]:
     """The validation losses of a run's history (summary.json), in order."""
     history = json.loads((run_dir / "summary.json").read_text())["history"]

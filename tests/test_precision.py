@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 import train  # noqa: F401 (registers the resolvers the configs use)
-from helpers import ROOT
+from helpers import composed
 from training.precision import cpu_has_bf16_units, fast_precision
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -52,8 +51,7 @@ def test_auto_is_the_cpu_without_a_gpu():
     [["experiment=cpu_fast"], ["experiment=gpu_fast"], ["trainer=gpu"], ["trainer=ddp"]],
 )
 def test_recipes_resolve_to_a_precision_lightning_takes(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    cfg = composed(*overrides)
     accelerator = cfg.trainer.accelerator
     assert cfg.trainer.precision == fast_precision(accelerator)
     assert cfg.trainer.precision in ("bf16-mixed", "32-true")

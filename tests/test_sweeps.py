@@ -7,12 +7,11 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 
 import report
-from helpers import ROOT, SMALLEST_BASE, run_script
+from helpers import ROOT, SMALLEST_BASE, composed, run_script
 from hydra_plugins.tinyformer_optuna import OptunaSweeper, dimension
 from wandb_offline import history, run_info
 
@@ -20,11 +19,6 @@ from wandb_offline import history, run_info
 JOB = [*SMALLEST_BASE, "trainer.max_steps=12", "trainer.val_check_interval=6"]
 EXPERIMENTS = ["ablation_scale", "ablation_heads", "ablation_position", "ablation_window"]
 EXPERIMENTS.append("ablation_kv_heads")
-
-
-def composed(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose("train", overrides=list(overrides), return_hydra_config=True)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
