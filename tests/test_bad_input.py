@@ -47,7 +47,7 @@ CASES = [
      "error: sample.cuda_graph=True is generate.py's option, not the end-of-run sample's: drop "
      "it (or set sample.cuda_graph=false), and after the run use python generate.py "
      "ckpt=<run dir> cuda_graph=..."),
-    ("end_sample_by_beam_search", "train.py", ["+sample.decoding=beam"],
+    ("end_sample_by_beam_search", "train.py", ["sample.decoding=beam"],
      "error: sample.decoding='beam' is for generate.py on an encoder-decoder"),
     ("end_sample_too_cold", "train.py", ["sample.temperature=0"],
      "error: sample.temperature must be > 0, got 0"),

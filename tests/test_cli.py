@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from data.tokenizer import tokenizer_from_dict
-from helpers import ROOT, TINY, clean_env, default_signals, run_script, train_run, val_losses
+from helpers import (
+    ROOT,
+    SMALLEST,
+    TINY,
+    clean_env,
+    default_signals,
+    run_script,
+    train_run,
+    val_losses,
+)
+from model.sampling import SEPARATOR
 from wandb_offline import config, history, run_info, summary
 
 
@@ -87,6 +97,19 @@ def test_train_prints_sample_and_generate_command(trained_run):
     stdout = (trained_run / "stdout.txt").read_text()
     assert "best checkpoint:" in stdout
     assert f"python generate.py ckpt={trained_run}" in stdout
+
+
+@pytest.mark.slow
+def test_the_end_of_run_sample_takes_generate_options_as_sample_keys(tmp_path, shared_cache):
+    # Greedy: the two samples are the same text; no `+`: train.yaml has each key.
+    options = ["sample.decoding=greedy", "sample.num_samples=2", "sample.top_p=0.9"]
+    options += ["sample.seed=3", "sample.prompt=ROMEO:", "sample.max_new_tokens=30"]
+    overrides = [*SMALLEST, "trainer.max_steps=4", "trainer.val_check_interval=4", *options]
+    stdout = train_run(tmp_path / "run", *overrides, cache_dir=shared_cache).joinpath("stdout.txt")
+    sampled = stdout.read_text().split("sample:\n\n", 1)[1].split("\nmore:", 1)[0]
+    first, second = sampled.split(f"\n{SEPARATOR}\n")
+    assert first.startswith("ROMEO:") and len(first) > len("ROMEO:")
+    assert first.strip() == second.strip()
 
 
 @pytest.mark.slow

@@ -13,9 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SMALLEST, checkpoint_before_the_join, fault, run_training, val_losses
+from helpers import (
+    SMALLEST,
+    checkpoint_before_the_join,
+    composed,
+    fault,
+    run_training,
+    val_losses,
+)
 from training.module import OptimConfig
-from training.resume import resume_conflicts
+from training.resume import resume_conflicts, resumed_overrides
 from wandb_offline import config, history, run_files, run_info
 
 # One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.
@@ -330,3 +337,21 @@ def test_checkpoints_from_before_optim_name_ran_adamw():
     assert resume_conflicts(saved, {"optim": {"lr": 1e-3, "name": "muon"}}) == [
         "optim.name: 'adamw' in the checkpoint, 'muon' now"
     ]
+
+
+def test_a_key_a_run_added_that_the_configs_have_gained_since_resumes_with_its_value():
+    # Written before train.yaml held sample.top_p: the run added it, and Hydra refuses to add a
+    # key that is there. Keys without a dot, or with a package or a path, may be config groups.
+    saved = ["+sample.top_p=0.5", "+callbacks.fault.steps=3", "+extra=x", "+group@pkg.key=x"]
+    saved += ["+group/option.key=x", "++data.seed=2", "model.n_layer=1"]
+    assert resumed_overrides(saved, ["model.n_layer=2"]) == [
+        "++sample.top_p=0.5",
+        "++callbacks.fault.steps=3",
+        "+extra=x",
+        "+group@pkg.key=x",
+        "+group/option.key=x",
+        "++data.seed=2",
+        "model.n_layer=2",
+    ]
+    cfg = composed(*resumed_overrides(["+sample.top_p=0.5"], ["trainer.max_steps=9"]))
+    assert cfg.sample.top_p == 0.5 and cfg.trainer.max_steps == 9

@@ -81,9 +81,22 @@ def override_key(override: str) -> str:
 
 def resumed_overrides(original: list[str], given: list[str]) -> list[str]:
     """The overrides a resumed run composes: the checkpoint's run's, then this command's, which
-    win where both set a key."""
+    win where both set a key. The checkpoint's run's `+a.b=value` becomes `++a.b=value`: a key
+    the config files have gained since (a `sample.*` option, say) is then set rather than
+    refused as already there. A key without a dot may name a config group, which `++` cannot
+    take; a group with a package (`@`) or a path (`/`) neither."""
     keys = {override_key(o) for o in given}
-    return [o for o in original if override_key(o) not in keys] + list(given)
+    kept = [o for o in original if override_key(o) not in keys]
+    return [_add_or_set(o) for o in kept] + list(given)
+
+
+def _add_or_set(override: str) -> str:
+    """`+a.b=value` as `++a.b=value`; any other override as it is."""
+    key = override.split("=", 1)[0]
+    adds_a_value = key.startswith("+") and not key.startswith("++") and "." in key
+    if adds_a_value and not set(key) & set("@/"):
+        return f"+{override}"
+    return override
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
