@@ -1,7 +1,7 @@
 """Text from a GPT for people: the sampling options (generate.py's, and the end-of-run sample's
 in train.py) and a continuation streamed to stdout as it is generated."""
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
@@ -32,33 +32,41 @@ class SamplingConfig:
     cuda_graph: bool = False  # GPT on a GPU: replay the KV-cache steps as CUDA graphs
     compile: bool = False  # with cuda_graph: the step's forward pass compiled before capture
     attention_plot: str | None = None  # PNG of the attention: GPT self-, encoder-decoder cross-
+    # Where the user sets these options, for the messages: "" for generate.py, "sample." for
+    # train.py, whose fix hints must name its own keys.
+    key_prefix: InitVar[str] = ""
 
-    def __post_init__(self) -> None:
-        check_field_types(self, "")
-        check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+    def __post_init__(self, prefix: str) -> None:
+        check_field_types(self, prefix)
+        check_int(f"{prefix}max_new_tokens", self.max_new_tokens, minimum=0)
         if self.decoding not in ("sample", "greedy", "beam"):
-            raise ValueError(f"decoding={self.decoding!r} is not one of sample, greedy, beam")
-        check_int("beam_size", self.beam_size)
+            raise ValueError(
+                f"{prefix}decoding={self.decoding!r} is not one of sample, greedy, beam"
+            )
+        check_int(f"{prefix}beam_size", self.beam_size)
         if not self.temperature > 0:
             raise ValueError(
-                f"temperature must be > 0, got {self.temperature}: use decoding=greedy for argmax"
+                f"{prefix}temperature must be > 0, got {self.temperature}: use "
+                f"{prefix}decoding=greedy for argmax"
             )
-        check_int("top_k", self.top_k, optional=True)
+        check_int(f"{prefix}top_k", self.top_k, optional=True)
         top_p = self.top_p
-        check(top_p is None or 0.0 < top_p <= 1.0, "top_p", "in (0, 1] or null", top_p)
-        check_int("num_samples", self.num_samples)
+        check(top_p is None or 0.0 < top_p <= 1.0, f"{prefix}top_p", "in (0, 1] or null", top_p)
+        check_int(f"{prefix}num_samples", self.num_samples)
         if self.cuda_graph and not self.use_cache:
             raise ValueError(
-                "cuda_graph=true replays a KV-cache step: it needs use_cache=true (or drop "
-                "cuda_graph)"
+                f"{prefix}cuda_graph=true replays a KV-cache step: it needs "
+                f"{prefix}use_cache=true (or drop {prefix}cuda_graph)"
             )
         if self.compile and not self.cuda_graph:
             raise ValueError(
-                "compile=true compiles the step that cuda_graph=true replays: add cuda_graph=true "
-                "(or drop compile)"
+                f"{prefix}compile=true compiles the step that {prefix}cuda_graph=true replays: add "
+                f"{prefix}cuda_graph=true (or drop {prefix}compile)"
             )
         if not self.prompt:
-            raise ValueError('prompt is empty: give at least one character, e.g. prompt="\\n"')
+            raise ValueError(
+                f'{prefix}prompt is empty: give at least one character, e.g. {prefix}prompt="\\n"'
+            )
 
     def check_device(self, device: torch.device) -> None:
         """cuda_graph=true decodes on a GPU only: on the CPU each step would read the whole

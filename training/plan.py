@@ -102,7 +102,4 @@ def end_of_run_sample(options: dict) -> SamplingConfig:
             "sample.decoding='beam' is for generate.py on an encoder-decoder; the end-of-run "
             "sample is sample or greedy"
         )
-    try:
-        return SamplingConfig(**options)
-    except ValueError as error:  # its messages lead with the key, named as generate.py's
-        raise ValueError(f"sample.{error}") from None
+    return SamplingConfig(**options, key_prefix="sample.")
