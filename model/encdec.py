@@ -147,11 +147,13 @@ class EncoderDecoder(nn.Module):
         logits = self.decode(target_in, memory, source_mask, target_mask)
         if targets is None:
             return logits, None
+        # Smoothing is what training minimises; in eval mode the loss is the likelihood alone,
+        # so that val/loss, perplexity and evaluate.py compare runs of any smoothing.
         loss = F.cross_entropy(
             logits.flatten(0, 1),
             targets.flatten(),
             ignore_index=IGNORE_INDEX,
-            label_smoothing=self.config.label_smoothing,
+            label_smoothing=self.config.label_smoothing if self.training else 0.0,
         )
         return logits, loss
 

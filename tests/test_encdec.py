@@ -330,7 +330,8 @@ def test_shared_embeddings_tie_source_target_and_head():
 def test_loss_label_smoothing_and_ignored_positions():
     """Target positions that the data pads (with its IGNORE_INDEX) add nothing to the loss."""
     plain = tiny_encdec(VOCAB, label_smoothing=0.0)
-    smooth = tiny_encdec(VOCAB, label_smoothing=0.2)
+    # Smoothing is a training loss: in train mode, without dropout, for the same logits.
+    smooth = tiny_encdec(VOCAB, label_smoothing=0.2, dropout=0.0).train()
     smooth.load_state_dict(plain.state_dict())
     source, mask = padded_source(LENGTHS, 9)
     target_in = torch.randint(FIRST_WORD, VOCAB, (3, 6))
@@ -352,6 +353,8 @@ def test_loss_label_smoothing_and_ignored_positions():
         smooth_loss, F.cross_entropy(logits[keep], targets[keep], label_smoothing=0.2)
     )
     assert abs(smooth_loss.item() - loss.item()) > 1e-3
+    # Evaluated, its loss is the likelihood: runs of any smoothing compare.
+    torch.testing.assert_close(smooth.eval()(source, target_in, mask, targets=targets)[1], loss)
 
     # What the ignored positions are fed does not matter to the loss.
     changed_in = target_in.clone()
