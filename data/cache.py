@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
 from data.files import disk_full_cause
@@ -206,6 +207,7 @@ class CachedDataModule(L.LightningDataModule):
         self.cache_hit = False
         self._tokenizer: CharTokenizer | BPETokenizer | None = None
         self._splits: dict = {}
+        self._resume_at: dict | None = None  # a checkpoint's position in the training data
 
     def keep_config(self, config) -> None:
         """Use the validated dataclass `config`, and save it as plain values (lists, not Hydra's
@@ -252,11 +254,37 @@ class CachedDataModule(L.LightningDataModule):
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
+    def state_dict(self) -> dict:
+        """Where training stands in the data, saved in each checkpoint: the epoch, and how many
+        of its batches were trained on. The step count alone misplaces a resumed run when
+        batches accumulate (Lightning also steps on an epoch's last, partial group) or
+        trainer.limit_train_batches shortens the epochs."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return {}
+        epoch = trainer.current_epoch
+        batch = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if batch >= trainer.num_training_batches:  # saved as the epoch ended
+            epoch, batch = epoch + 1, 0
+        return {"epoch": epoch, "batch": batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_at = state
+
+    def _training_start(self) -> tuple[int, int]:
+        """(epoch, batch of it) where the training loader starts: a fresh run at the beginning,
+        a resumed one where its checkpoint says, and one from a checkpoint older than that
+        record where its step says (exact without accumulation or shortened epochs)."""
+        if self._resume_at is not None:
+            return self._resume_at["epoch"], self._resume_at["batch"]
+        trainer = self.trainer
+        return 0, trainer.global_step * trainer.accumulate_grad_batches if trainer else 0
+
     def _loader(self, dataset: Dataset, train: bool, collate_fn=None) -> DataLoader:
         """Batches of `dataset`. Training batches follow ResumableShuffle, which a resumed run
-        starts at its step; evaluation batches follow RankShard's fixed order. In a distributed
-        run each rank gets its own share (the trainer configs turn Lightning's own
-        DistributedSampler off)."""
+        starts where its checkpoint left the data; evaluation batches follow RankShard's fixed
+        order. In a distributed run each rank gets its own share (the trainer configs turn
+        Lightning's own DistributedSampler off)."""
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         workers, batch_size = self.config.num_workers, self.config.batch_size
@@ -269,10 +297,10 @@ class CachedDataModule(L.LightningDataModule):
         if not train:
             sampler = RankShard(len(dataset), rank, world)
             return DataLoader(dataset, batch_size, sampler=sampler, **options)
-        steps_done = trainer.global_step * trainer.accumulate_grad_batches if trainer else 0
+        epoch, batch = self._training_start()
         # The run's seed (seed_everything sets torch's initial seed), so each seed has its order.
         sampler = ResumableShuffle(
-            len(dataset), batch_size, torch.initial_seed(), steps_done, rank, world
+            len(dataset), batch_size, torch.initial_seed(), batch, rank, world, start_epoch=epoch
         )
         # drop_last: a short last batch would be an oddly weighted training step
         return ResumableLoader(dataset, batch_size, sampler=sampler, drop_last=True, **options)

@@ -28,8 +28,9 @@ class ResumableShuffle(Sampler[int]):
 
     Each rank takes every world_size-th index of the permutation, cut to the same length on every
     rank, so ranks see disjoint examples and equally many batches. The first epoch to be iterated
-    is the one holding batch `start_batch` (counted over the whole run, this rank), and starts
-    there; later epochs start at their first batch.
+    is the one holding batch `start_batch` of epoch `start_epoch` (this rank's batches; past the
+    end of that epoch, they count on into the next ones), and starts there; later epochs start
+    at their first batch.
     """
 
     def __init__(
@@ -40,6 +41,7 @@ class ResumableShuffle(Sampler[int]):
         start_batch: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        start_epoch: int = 0,
     ) -> None:
         self.per_rank = size // world_size
         self.batches_per_epoch = self.per_rank // batch_size
@@ -50,7 +52,8 @@ class ResumableShuffle(Sampler[int]):
             )
         self.size, self.batch_size, self.seed = size, batch_size, seed
         self.rank, self.world_size = rank, world_size
-        self.epoch, self.skip = divmod(start_batch, self.batches_per_epoch)
+        batches_before = start_epoch * self.batches_per_epoch + start_batch
+        self.epoch, self.skip = divmod(batches_before, self.batches_per_epoch)
 
     def __len__(self) -> int:
         # A whole epoch even when resuming into one: Lightning counts the batches already done in
@@ -93,11 +96,11 @@ class RankShard(Sampler[int]):
 
 
 class ResumableLoader(DataLoader):
-    """A DataLoader over a ResumableShuffle. Its position needs no saving, since the sampler
-    starts at the trainer's step; what it saves, in Lightning's checkpoint, is what that position
-    means (the seed and the epoch length), so that a resume over other data or with another
-    seed fails instead of silently training on other batches. Being stateful also tells
-    Lightning that resuming mid-epoch is exact."""
+    """A DataLoader over a ResumableShuffle. Its position is the data module's to save (it counts
+    the batches trained on, which a loader that fetches ahead cannot); what the loader saves, in
+    Lightning's checkpoint, is what that position means (the seed and the epoch length), so that
+    a resume over other data or with another seed fails instead of silently training on other
+    batches. Being stateful also tells Lightning that resuming mid-epoch is exact."""
 
     def state_dict(self) -> dict:
         return self.sampler.state()

@@ -193,6 +193,35 @@ def test_sigkilled_job_repeating_its_command_with_ckpt_path_last_resumes_exactly
 
 
 @pytest.mark.slow
+def batches_trained(run_dir: Path) -> list[tuple]:
+    """(step, fingerprints of its examples) of every batch, in order (callbacks=batch_log)."""
+    lines = (run_dir / "batches" / "rank0.jsonl").read_text().splitlines()
+    return [(row["step"], tuple(row["examples"])) for row in map(json.loads, lines)]
+
+
+@pytest.mark.slow
+def test_a_run_accumulating_over_shortened_epochs_resumes_on_the_same_batches(tmp_path, cache):
+    # Epochs of 7 batches in steps of 2: Lightning steps on each epoch's last batch alone, so
+    # 6 steps are 11 batches, not 12; the run stops in its second epoch and resumes.
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"word{i * 7 % 31}" for i in range(120)))
+    run = [*SMALLEST, "data=text_files", f"data.paths=[{text}]", "callbacks=batch_log"]
+    run += ["+trainer.accumulate_grad_batches=2", "+trainer.limit_train_batches=7"]
+    run += ["trainer.val_check_interval=4", "trainer.deterministic=true"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for run_dir, steps in ((straight, 14), (stopped, 6)):
+        result = run_training(cache, *run, f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}")
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert len(batches_trained(stopped)) == 11
+    resumed = run_training(cache, f"ckpt_path={stopped}", "trainer.max_steps=14")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    assert batches_trained(stopped) == batches_trained(straight)
+    final, expected = weights(stopped), weights(straight)
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+
+
 def test_resume_trains_longer_at_a_new_learning_rate(tmp_path, cache, straight):
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)

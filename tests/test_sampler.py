@@ -25,6 +25,14 @@ def test_starting_at_any_batch_continues_the_same_order():
         assert batches(resumed, epochs_left) == straight[start:]
 
 
+def test_an_epoch_and_a_batch_in_it_start_where_the_same_count_of_batches_does():
+    # A resumed run's loader starts at (epoch, batch of it): the data module's record.
+    straight = batches(ResumableShuffle(103, batch_size=4, seed=7), epochs=3)
+    for epoch, batch in ((0, 3), (1, 0), (1, 24), (2, 5)):
+        resumed = ResumableShuffle(103, batch_size=4, seed=7, start_batch=batch, start_epoch=epoch)
+        assert batches(resumed, 3 - epoch) == straight[epoch * 25 + batch :]
+
+
 def test_the_order_is_the_seeded_permutation_whatever_the_chunks(monkeypatch):
     # A checkpoint's run resumes with the batches it was promised, which these are: the epoch's
     # permutation of torch.randperm, handed over in chunks of any size.

@@ -6,7 +6,7 @@ continues with, what it may not change, what its checkpoints carry, and how it s
   depends on; without it, a fresh run may not overwrite another's checkpoints.
 - Lightning saves weights, optimizer, scheduler, step counters and callbacks' states.
   ResumeState adds the random streams (dropout draws from them) and the W&B run a resumed run
-  continues; the data order needs nothing, since ResumableShuffle starts at the restored step.
+  continues; the data module saves its position in the training data (data/cache.py).
 - StopSignals turns SIGINT, like SIGTERM, into a stop at the next step boundary with a
   checkpoint.
 """
