@@ -75,8 +75,9 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
     """The checkpoint that `given` (the value of the command's option `key`) names, by one rule:
     a file is itself; an export directory is itself; a run directory, or its checkpoints/
     folder, gives its `which` checkpoint. "last" is last.ckpt, where a run continues (train.py
-    ckpt_path=), which an export cannot do: it holds no training state; "best" is the newest
-    best*.ckpt, else last.ckpt, what a trained model is used from (generate.py ckpt=)."""
+    ckpt_path=), which an export cannot do: it holds no training state; "best" is the best
+    checkpoint (see best_checkpoint), else last.ckpt, what a trained model is used from
+    (generate.py ckpt=)."""
     path = Path(given).expanduser()
     if path.is_file():
         return path
@@ -90,9 +91,8 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     candidates = [folder / "last.ckpt"]
     if which == "best":
-        best = sorted(folder.glob("best*.ckpt"), key=lambda p: p.stat().st_mtime)
-        candidates = best[-1:] + candidates
-    found = next((c for c in candidates if c.is_file()), None)
+        candidates = [best_checkpoint(folder), *candidates]
+    found = next((c for c in candidates if c is not None and c.is_file()), None)
     if found is not None:
         return found
     missing = f"no {which} checkpoint in {folder}" if path.is_dir() else f"no checkpoint at {path}"
@@ -100,6 +100,20 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
         f"{key}={given}: {missing}; give the directory of a run that saved checkpoints (runs "
         "live under outputs/) or a .ckpt file, or an export's directory"
     )
+
+
+def best_checkpoint(folder: Path) -> Path | None:
+    """The run's best*.ckpt of the lowest validation loss: the only one (save_top_k=1, the
+    default), or, of several, the one that the newest names as the best in its checkpoint
+    callback's record (written as the top k last changed, so it knows them all). By name in
+    `folder`: the record's paths are those of the run's directory when it wrote them."""
+    saved = sorted(folder.glob("best*.ckpt"), key=lambda p: p.stat().st_mtime)
+    if len(saved) < 2:
+        return saved[-1] if saved else None
+    callbacks = load_safely(saved[-1], mmap=True).get("callbacks", {})
+    records = [r for r in callbacks.values() if isinstance(r, dict) and "best_model_path" in r]
+    best = folder / Path(records[0]["best_model_path"]).name if records else saved[-1]
+    return best if best.is_file() else saved[-1]
 
 
 def load_checkpoint(path: Path) -> tuple[GPT | EncoderDecoder, dict]:

@@ -4,6 +4,7 @@ never runs pickled code, and compiled and plain models share one state-dict layo
 
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from helpers import ROOT, small_disk, tiny_gpt_config
-from model.checkpoint import load_safely, model_state
+from model.checkpoint import find_checkpoint, load_safely, model_state
 from model.gpt import GPT
 from training.checkpoint_io import DurableCheckpointIO, host_copy, partial_files, save_durably
 
@@ -246,3 +247,29 @@ def test_without_background_a_failed_save_fails_at_once(tmp_path):
         at_once.save_checkpoint({"step": 1}, unwritable / "last.ckpt")
     with pytest.raises(OSError):
         background.wait()
+
+
+def test_of_several_best_checkpoints_a_run_directory_gives_the_one_its_record_names(
+    tmp_path, trained_run
+):
+    # save_top_k=2: the newest best*.ckpt is the second best, and its checkpoint callback's
+    # record (Lightning's own, as the trained run wrote it) names the best, in the run's
+    # directory of the time.
+    (real,) = (trained_run / "checkpoints").glob("best*.ckpt")
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    best, second = folder / "best-step20.ckpt", folder / "best-step40.ckpt"
+    shutil.copyfile(real, best)
+    checkpoint = torch.load(real, weights_only=True)
+    (record,) = [r for r in checkpoint["callbacks"].values() if "best_model_path" in r]
+    record["best_model_path"] = f"/where/it/ran/checkpoints/{best.name}"
+    torch.save(checkpoint, second)
+    os.utime(best, (1, 1))  # the older
+    assert find_checkpoint(tmp_path / "run", "best", "ckpt") == best
+    record["best_model_path"] = f"/where/it/ran/checkpoints/{second.name}"
+    torch.save(checkpoint, second)
+    assert find_checkpoint(tmp_path / "run", "best", "ckpt") == second
+    # A record naming a file that is gone: the newest.
+    record["best_model_path"] = "/where/it/ran/checkpoints/best-step60.ckpt"
+    torch.save(checkpoint, second)
+    assert find_checkpoint(folder, "best", "ckpt") == second
