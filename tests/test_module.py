@@ -294,3 +294,27 @@ def test_throughput_counts_each_steps_real_tokens_on_every_rank(monkeypatch, kin
         rates.append(logged.pop("train/tokens_per_sec", None))
     # the window opens at step 1's end; step 2 adds 1 s, steps 3 and 4 add 3 s
     assert rates == [None, pytest.approx(2 * tokens / 1.0), None, pytest.approx(4 * tokens / 3.0)]
+
+
+def test_throughput_is_logged_once_a_step_when_batches_accumulate(monkeypatch):
+    tokenizer = CharTokenizer(list("abcde"))
+    config = tiny_gpt_config(tokenizer.vocab_size, n_layer=1).to_dict()
+    module = LanguageModelModule(config, {"lr": 1e-3}, tokenizer.to_dict())
+    batch = (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+    logged = []
+    monkeypatch.setattr(module, "log", lambda name, value, **_: logged.append((name, value)))
+    monkeypatch.setattr(module, "lr_schedulers", lambda: SimpleNamespace(get_last_lr=lambda: [1]))
+    clock = iter([10.0, 10.5, 11.0, 11.5, 12.0, 12.5, 13.0, 14.0])  # the ends of 8 batches
+    monkeypatch.setattr("training.module.time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    module.trainer = SimpleNamespace(world_size=1, log_every_n_steps=2, global_step=0, max_steps=9)
+    rates = []
+    for batch_idx in range(8):  # two batches a step: the optimizer steps after every second
+        module.trainer.global_step = batch_idx // 2
+        module.training_step(batch, batch_idx)
+        module.trainer.global_step = (batch_idx + 1) // 2
+        module.on_train_batch_end(None, batch, batch_idx)
+        rates += [value for name, value in logged if name == "train/tokens_per_sec"]
+        logged.clear()
+    # the window opens at the first batch's end; step 2 ends 1.5 s and 3 batches later, step 4
+    # 2.5 s and 4 batches after that
+    assert rates == [pytest.approx(3 * 8 / 1.5), pytest.approx(4 * 8 / 2.5)]

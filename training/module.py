@@ -112,6 +112,7 @@ class TrainingModule(L.LightningModule):
         self.best_val_loss = math.inf  # the lowest finite val/loss so far, kept in checkpoints
         self._window_start: float | None = None  # when the current throughput window began
         self._window_tokens = 0
+        self._window_logged_at = -1  # the step of the last throughput logged
         self._step_loss: Tensor | None = None
         self._trainable: list[Tensor] | None = None
         self._update_guard = UpdateGuard()
@@ -155,9 +156,12 @@ class TrainingModule(L.LightningModule):
             self._window_start, self._window_tokens = now, 0
             return
         self._window_tokens += self._batch_tokens * self.trainer.world_size
-        if self.global_step % self.trainer.log_every_n_steps == 0:
+        # Once a step: where batches accumulate, the step stays the same over several batches.
+        step = self.global_step
+        if step % self.trainer.log_every_n_steps == 0 and step != self._window_logged_at:
             self.log("train/tokens_per_sec", self._window_tokens / (now - self._window_start))
             self._window_start, self._window_tokens = now, 0
+            self._window_logged_at = step
 
     def on_validation_start(self) -> None:
         self._window_start = None  # validation time is not training throughput
