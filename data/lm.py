@@ -35,6 +35,7 @@ from data.sources import (
     load_hub,
     load_shakespeare,
     load_text_files,
+    shakespeare_version,
     splits_by_tail,
     tail_split,
     whole_split,
@@ -140,7 +141,7 @@ class LMDataModule(CachedDataModule):
                 "text_column": c.text_column,
                 "val_split": c.val_split,
             }
-        return c.source
+        return {c.source: shakespeare_version()}
 
     def _tokenizer_key(self) -> object:
         c = self.config
@@ -151,9 +152,10 @@ class LMDataModule(CachedDataModule):
 
     @cached_property
     def cache_entry(self) -> Path:
-        """Directory holding the tokenized corpus, keyed by (source, split, tokenizer): block and
-        batch size, streaming and num_proc don't change it. Fixed at first use, so files edited
-        between prepare_data and setup cannot point them at different entries."""
+        """Directory holding the tokenized corpus, keyed by (source, split, tokenizer): batch
+        size, streaming and num_proc don't change it, nor does block size, but for text files
+        split by data.val_fraction (their validation tail must hold a block). Fixed at first use,
+        so files edited between prepare_data and setup cannot point them at different entries."""
         c = self.config
         key = {"version": FORMAT_VERSION, "source": self._source_key()}
         split = "val_paths" if c.val_paths else c.val_fraction  # val_fraction is not used then

@@ -23,7 +23,7 @@ from data.seq2seq_text import (
     drop_empty_sources,
     encode_pairs,
 )
-from data.sources import expand_paths, file_fingerprint
+from data.sources import expand_paths, file_fingerprint, shakespeare_version
 from data.tokenizer import CharTokenizer, token_dtype
 from errors import is_int
 
@@ -59,6 +59,8 @@ class Seq2SeqDataModule(CachedDataModule):
         c = self.config
         key: dict = {"version": FORMAT_VERSION, "task": c.task, "val_fraction": c.val_fraction}
         key["max_len"] = [c.max_source_len, c.max_target_len]
+        if c.task != "pairs":
+            key["plays"] = shakespeare_version()
         if c.task == "denoise":
             key |= {"corruption": c.corruption, "noise_rate": c.noise_rate, "seed": c.seed}
             if c.corruption == "span":

