@@ -1,5 +1,9 @@
-"""Files written so that no reader, and no crash, ever sees half of one, and the full disk that
-such a write can meet, recognised however a library wraps it."""
+"""Files written so that no reader, and no process killed midway, ever sees half of one, and the
+full disk that such a write can meet, recognised however a library wraps it.
+
+No fsync: a power cut may still lose the newest such file. Each is a record that is checked
+(a cache entry's checksums) or written again (summary.json), never a run's only copy of its
+state; checkpoints are made durable in training/checkpoint_io.py."""
 
 import errno
 import os
