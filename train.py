@@ -46,8 +46,10 @@ from training.precision import fast_precision
 from training.resume import (
     ResumeState,
     StopSignals,
+    discard_command_record,
     hydra_record_dir,
     override_key,
+    refused_leaves_no_record,
     resume_run_dir,
 )
 from training.summary import (
@@ -172,12 +174,16 @@ def run_fit(
 
 def fit(cfg: DictConfig) -> float | None:
     started = time.perf_counter()
-    plan = check_options(cfg)
-    datamodule = instantiate_checked(plan.cfg.data)
-    trainer, stop = build_trainer(plan)
-    L.seed_everything(plan.cfg.seed, workers=True)
-    prepare_data(plan, datamodule)
-    module = build_module(plan, datamodule.tokenizer)
+    with refused_leaves_no_record():
+        plan = check_options(cfg)
+        if plan.resume.complete:
+            discard_command_record()
+            return None
+        datamodule = instantiate_checked(plan.cfg.data)
+        trainer, stop = build_trainer(plan)
+        L.seed_everything(plan.cfg.seed, workers=True)
+        prepare_data(plan, datamodule)
+        module = build_module(plan, datamodule.tokenizer)
     if trainer.is_global_zero:
         datamodule.tokenizer.save(Path(plan.run_dir) / "tokenizer.json")
         parameters = module.model.num_parameters() / 1e6
@@ -208,7 +214,9 @@ def fit(cfg: DictConfig) -> float | None:
 def train(cfg: DictConfig) -> float | None:
     """Train in cfg's run directory, as its one writer: a second run or a resume started there
     while this one runs is refused (the other ranks of a distributed run write nothing)."""
-    with claim_run_dir(Path(cfg.paths.output_dir)) if rank_zero_only.rank == 0 else nullcontext():
+    with refused_leaves_no_record():
+        claim = claim_run_dir(Path(cfg.paths.output_dir)) if rank_zero_only.rank == 0 else None
+    with claim or nullcontext():
         return fit(cfg)
 
 

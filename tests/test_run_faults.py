@@ -246,6 +246,64 @@ def test_one_writer_per_run_directory(tmp_path):
         f"continue it with ckpt_path={run_dir}, or choose another hydra.run.dir"
     ]
     assert step_of(run_dir / "checkpoints" / "last.ckpt") == saved
+    # The refused commands left no record of a start in the run's directory.
+    assert FIRST_START == sorted(p.name for p in (run_dir / ".hydra").iterdir())
+
+
+# The record of a run's first start; each start after it that trains adds a .hydra/resume-N.
+FIRST_START = ["config.yaml", "hydra.yaml", "overrides.yaml"]
+
+
+def digests(run_dir: Path) -> dict[str, bytes]:
+    """Every file of the run directory but Hydra's log and the writer's lock (each command
+    appends to the one and takes the other), by path."""
+    files = (p for p in run_dir.rglob("*") if p.is_file() and p.name not in ("train.log", ".lock"))
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in files}
+
+
+def test_commands_that_train_nothing_leave_the_run_as_it_was(tmp_path):
+    run_dir, other, cache = tmp_path / "run", tmp_path / "other", tmp_path / "cache"
+    command = [*SMALLEST, "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    for directory, width in ((run_dir, 32), (other, 48)):
+        result = run_training(
+            cache, *command, f"model.n_embd={width}", f"hydra.run.dir={directory}"
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    before = digests(run_dir)
+    last = run_dir / "checkpoints" / "last.ckpt"
+
+    done = run_training(cache, f"ckpt_path={run_dir}")  # a finished job's command, repeated
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == (
+        f"ckpt_path={last} is at trainer.max_steps=4 already: nothing to train (give a larger "
+        "trainer.max_steps to train on)"
+    )
+    for refused, message in (
+        (
+            [f"ckpt_path={run_dir}", "trainer.max_steps=3"],
+            f"error: ckpt_path={last} is at step 4, past trainer.max_steps=3: give a larger "
+            "trainer.max_steps to train on",
+        ),
+        (
+            [f"ckpt_path={other}/checkpoints/last.ckpt", f"hydra.run.dir={run_dir}"],
+            f"error: hydra.run.dir={run_dir} holds another run ({last}) than "
+            f"ckpt_path={other}/checkpoints/last.ckpt: drop hydra.run.dir",
+        ),
+        (
+            [f"ckpt_path={run_dir}", "trainer.max_steps=6", "model.n_embd=48"],
+            f"error: ckpt_path={last} cannot resume with changed settings (model.n_embd",
+        ),
+    ):
+        result = run_training(cache, *refused)
+        assert result.returncode == 1, result.stderr[-3000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), result.stderr[-3000:]
+    assert digests(run_dir) == before
+    assert FIRST_START == sorted(p.name for p in (run_dir / ".hydra").iterdir())
+
+    resumed = run_training(cache, f"ckpt_path={run_dir}", "trainer.max_steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert step_of(last) == 6 and (run_dir / ".hydra" / "resume-1" / "config.yaml").is_file()
 
 
 def test_a_batch_too_large_for_memory_is_one_line(tmp_path, shared_cache):

@@ -12,8 +12,11 @@ continues with, what it may not change, what its checkpoints carry, and how it s
 """
 
 import random
+import shutil
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -21,6 +24,7 @@ from typing import NoReturn
 import lightning as L
 import torch
 from hydra import compose
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
@@ -29,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import BPETokenizer, CharTokenizer
 from model.checkpoint import find_checkpoint, load_safely
+from training.errors import TRAIN_ERRORS
 from training.kinds import kind_of
 from training.summary import print_once
 
@@ -73,6 +78,25 @@ def hydra_record_dir(output_dir: str) -> str:
     while (record / f"resume-{number}").exists():
         number += 1
     return f".hydra/resume-{number}"
+
+
+@contextmanager
+def refused_leaves_no_record() -> Iterator[None]:
+    """A command refused (a user's error) before it trains leaves nothing in a run directory:
+    the record Hydra wrote of it there, .hydra/resume-N, goes (see discard_command_record)."""
+    try:
+        yield
+    except TRAIN_ERRORS:
+        discard_command_record()
+        raise
+
+
+def discard_command_record() -> None:
+    """Remove this command's .hydra/resume-N (Hydra writes it before any check runs): a run
+    directory keeps the records of the starts that trained, and the first start's .hydra."""
+    hydra = HydraConfig.get()
+    if hydra.output_subdir and hydra.output_subdir.startswith(".hydra/resume-"):
+        shutil.rmtree(Path(hydra.runtime.output_dir) / hydra.output_subdir, ignore_errors=True)
 
 
 def override_key(override: str) -> str:
@@ -133,6 +157,13 @@ class Resume:
     checkpoint: dict | None = field(default=None, repr=False)
 
     @property
+    def complete(self) -> bool:
+        """A resumed run already at trainer.max_steps: nothing to train."""
+        return self.checkpoint is not None and (
+            self.checkpoint["global_step"] == self.cfg.trainer.get("max_steps")
+        )
+
+    @property
     def saved_tokenizer(self) -> dict | None:
         return self.checkpoint["hyper_parameters"]["tokenizer"] if self.checkpoint else None
 
@@ -191,6 +222,7 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
                 f"it with ckpt_path={cfg.paths.output_dir}, or choose another hydra.run.dir"
             )
         return Resume(cfg, given)
+    check_run_dir_holds(path, Path(cfg.paths.output_dir))
     # Mapped, not read: Lightning reads the file itself, and this copy is kept through the run.
     checkpoint = load_safely(path, mmap=True)
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
@@ -222,11 +254,36 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
             "to the checkpoint's values (a recipe such as experiment=... may have changed since "
             "it was written), or start a new run without ckpt_path"
         )
-    print_once(
-        f"resuming from {path} at step {checkpoint['global_step']}"
-        + (f" with that run's overrides: {' '.join(overrides)}" if overrides else "")
-    )
+    step, max_steps = checkpoint["global_step"], cfg.trainer.get("max_steps")
+    if isinstance(max_steps, int) and 0 <= max_steps < step:
+        raise ValueError(
+            f"ckpt_path={path} is at step {step}, past trainer.max_steps={max_steps}: give a "
+            f"larger trainer.max_steps to train on"
+        )
+    if step == max_steps:
+        print_once(
+            f"ckpt_path={path} is at trainer.max_steps={max_steps} already: nothing to train "
+            "(give a larger trainer.max_steps to train on)"
+        )
+    else:
+        print_once(
+            f"resuming from {path} at step {step}"
+            + (f" with that run's overrides: {' '.join(overrides)}" if overrides else "")
+        )
     return Resume(cfg, overrides, path, checkpoint)
+
+
+def check_run_dir_holds(checkpoint: Path, run_dir: Path) -> None:
+    """A run directory that holds a run continues that run only: resuming another's checkpoint
+    there (hydra.run.dir=... beside ckpt_path=...) would write over its checkpoints, tokenizer and
+    summary."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if last.is_file() and checkpoint.resolve().parent != last.parent.resolve():
+        raise ValueError(
+            f"hydra.run.dir={run_dir} holds another run ({last}) than ckpt_path={checkpoint}: "
+            "drop hydra.run.dir (a run's checkpoint continues in its own directory), or choose "
+            "a new one"
+        )
 
 
 def find_ckpt_path(ckpt_path: str, output_dir: str) -> Path | None:
