@@ -6,6 +6,7 @@ the same way, so the checks live beside them rather than in either.
 """
 
 import dataclasses
+import math
 import os
 import sys
 import types
@@ -43,8 +44,9 @@ def is_int(value: object, minimum: int | None = None) -> bool:
 
 
 def is_number(value: object) -> bool:
-    """An int or a float, never a bool."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """An int or a finite float, never a bool: no option takes inf or nan (an infinite learning
+    rate or attention scale would only end the run in NaN a step later)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check(ok: bool, key: str, expected: str, value: object) -> None:

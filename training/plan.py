@@ -7,7 +7,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from errors import check, check_int, is_int
+from errors import check, check_int, is_int, is_number
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
@@ -76,6 +76,7 @@ def check_options(cfg: DictConfig) -> Plan:
     )
     # the schedule needs a length
     check_int("trainer.max_steps", cfg.trainer.get("max_steps"))
+    check_trainer_options(cfg.trainer)
     kind = kind_of(cfg.model)
     check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
     return Plan(
@@ -84,6 +85,26 @@ def check_options(cfg: DictConfig) -> Plan:
         model=instantiate_checked(cfg.model),
         optim=OptimConfig(**cfg.optim),
         sample=end_of_run_sample(OmegaConf.to_container(cfg.sample, resolve=True)),
+    )
+
+
+def check_trainer_options(trainer: DictConfig) -> None:
+    """Trainer options that Lightning takes unchecked: a zero divides by zero once training
+    runs, and a negative clipping norm flips every gradient (gradient ascent, silently)."""
+    clip = trainer.get("gradient_clip_val")
+    check(
+        clip is None or (is_number(clip) and clip >= 0),
+        "trainer.gradient_clip_val",
+        "a number >= 0 or null",
+        clip,
+    )
+    check_int("trainer.log_every_n_steps", trainer.get("log_every_n_steps", 50))
+    interval = trainer.get("val_check_interval")  # Lightning checks its other forms itself
+    check(
+        not (is_number(interval) and interval <= 0),
+        "trainer.val_check_interval",
+        "a positive integer (training batches)",
+        interval,
     )
 
 
