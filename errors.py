@@ -10,7 +10,7 @@ import math
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
@@ -86,6 +86,23 @@ def _fits(value: object, expected: object) -> bool:
     if dataclasses.is_dataclass(expected):
         return isinstance(value, expected | dict)  # a nested config, or its dict from Hydra
     return True  # containers and the like: the config's own checks look inside
+
+
+def config_from(cls: Callable[..., T], options: dict, prefix: str, where: str, **extra) -> T:
+    """cls(**options, **extra) for the dataclass config `cls`, whose fields are the options a
+    user sets under `prefix` (in `where`, for the message): a key that is none of them is a
+    one-line error naming it and them, not a TypeError's traceback."""
+    check_known(options, [field.name for field in dataclasses.fields(cls)], prefix, where)
+    return cls(**options, **extra)
+
+
+def check_known(keys: Iterable[str], names: list[str], prefix: str, where: str) -> None:
+    """Every one of `keys` is one of `names`, the options set under `prefix` in `where`."""
+    unknown = sorted(set(keys) - set(names))
+    if unknown:
+        raise ValueError(
+            f"{prefix}{unknown[0]} is not an option of {where}; its options are {', '.join(names)}"
+        )
 
 
 def check_field_types(config: object, prefix: str) -> None:

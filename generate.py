@@ -12,7 +12,7 @@ The checkpoint carries the model config and the tokenizer, so it needs nothing e
 
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import tokenizer_from_dict
-from errors import USER_ERRORS, check_field_types, exit_on_user_error
+from errors import USER_ERRORS, check_field_types, check_known, exit_on_user_error
 from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
 from model.figures import plot_heads
@@ -206,6 +206,13 @@ def save_figure(figure: "Figure", path: str, what: str) -> None:
 
 def run(cfg: DictConfig) -> None:
     options = OmegaConf.to_container(cfg, resolve=True)
+    names = [
+        "ckpt",
+        "device",
+        *(f.name for f in fields(Inputs)),
+        *(f.name for f in fields(SamplingConfig)),
+    ]
+    check_known(options, list(dict.fromkeys(names)), "", "generate.py")  # `+foo=1` adds one
     ckpt, device = options.pop("ckpt"), pick_device(options.pop("device"))
     inputs = Inputs(
         **{key: options.pop(key) for key in ("prompt", "prompt_file", "interactive")},

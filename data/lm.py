@@ -41,6 +41,7 @@ from data.sources import (
     whole_split,
 )
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer, token_dtype
+from errors import config_from
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
     import datasets
@@ -106,7 +107,7 @@ class LMDataModule(CachedDataModule):
                 "trains on the train split and validates on data.val_split (data=hub: its own "
                 "validation split by default), or on data.val_fraction of the text"
             )
-        self.keep_config(LMDataConfig(**options))
+        self.keep_config(config_from(LMDataConfig, options, "data.", "a GPT's data"))
         self._given_tokenizer = None
         if self.config.tokenizer_file is not None:
             self.use_tokenizer(load_tokenizer(self.config.tokenizer_file))

@@ -25,7 +25,7 @@ from data.seq2seq_text import (
 )
 from data.sources import expand_paths, file_fingerprint, shakespeare_version
 from data.tokenizer import CharTokenizer, token_dtype
-from errors import is_int
+from errors import config_from, is_int
 
 # Bump whenever the cache entry's contents change meaning (passages, corruption, file layout).
 FORMAT_VERSION = 1
@@ -50,7 +50,9 @@ class Seq2SeqDataModule(CachedDataModule):
 
     def __init__(self, **options) -> None:
         super().__init__()
-        self.keep_config(Seq2SeqDataConfig(**options))
+        self.keep_config(
+            config_from(Seq2SeqDataConfig, options, "data.", "an encoder-decoder's data")
+        )
 
     @cached_property
     def _cache_key(self) -> dict:

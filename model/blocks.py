@@ -1,11 +1,11 @@
 """What the GPT and the encoder-decoder share: config core, blocks, init, weight-decay groups."""
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from torch import Tensor, nn
 
-from errors import check_field_types, check_int
+from errors import check_field_types, check_int, config_from
 from model.attention import AttentionConfig, KVCache, MultiHeadAttention, StaticKVCache
 from model.layers import INIT_STD, MLP
 
@@ -30,7 +30,9 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.attention, dict):
-            self.attention = AttentionConfig(**self.attention)
+            self.attention = config_from(
+                AttentionConfig, self.attention, "model.attention.", "model.attention"
+            )
         check_field_types(self, "model.")
         check_int("model.vocab_size", self.vocab_size, optional=True)
         check_int("model.n_embd", self.n_embd)
@@ -80,13 +82,7 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "TransformerConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}"
-            )
-        return cls(**values)
+        return config_from(cls, values, "model.", cls.__name__)
 
 
 class Block(nn.Module):

@@ -2,17 +2,18 @@
 mistakes (errors.py's USER_ERRORS), Lightning's config errors, a diverged run, and memory
 running out."""
 
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
-from errors import USER_ERRORS
+from errors import USER_ERRORS, check_known
 from training.guard import TrainingDiverged
 
 TRAIN_ERRORS = (*USER_ERRORS, MisconfigurationException, TrainingDiverged)
@@ -20,7 +21,8 @@ TRAIN_ERRORS = (*USER_ERRORS, MisconfigurationException, TrainingDiverged)
 
 def instantiate_checked(node: DictConfig, **kwargs: Any) -> Any:
     """hydra.utils.instantiate, with config errors (ours and Lightning's) surfacing as
-    themselves, so they print as one line."""
+    themselves, so they print as one line, and a key that the target does not take too."""
+    check_target_takes(node)
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as error:
@@ -28,6 +30,24 @@ def instantiate_checked(node: DictConfig, **kwargs: Any) -> Any:
         if isinstance(cause, TRAIN_ERRORS):
             raise cause from None
         raise
+
+
+def check_target_takes(node: DictConfig) -> None:
+    """Each key of `node` (`+trainer.foo=1` adds one) is an argument of its _target_, which
+    would otherwise fail with a TypeError's traceback, and so on down the targets it holds (a
+    model's attention); a target that takes any keyword checks its own."""
+    for _, child in node.items_ex(resolve=False):
+        if isinstance(child, DictConfig) and "_target_" in child:
+            check_target_takes(child)
+    try:
+        parameters = inspect.signature(get_object(node._target_)).parameters.values()
+    except Exception:  # no target, or one that cannot be imported: instantiate says so
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    key = node._get_full_key(None)
+    check_known((k for k in node if not k.startswith("_")), names, f"{key}.", key)
 
 
 def optimizer_state_mismatch(error: ValueError, checkpoint: Path | None) -> None:

@@ -7,7 +7,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from errors import check, check_int, is_int, is_number
+from errors import check, check_int, config_from, is_int, is_number
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
@@ -15,7 +15,7 @@ from training.errors import instantiate_checked
 from training.guard import check_nonfinite_action
 from training.kinds import ModelKind, check_fits_data, kind_of
 from training.module import OptimConfig
-from training.resume import Resume, prepare_resume
+from training.resume import Resume, override_key, prepare_resume
 from training.sweep import in_sweep
 
 # torch.compile's modes (compile_mode=)
@@ -79,13 +79,27 @@ def check_options(cfg: DictConfig) -> Plan:
     check_trainer_options(cfg.trainer)
     kind = kind_of(cfg.model)
     check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
+    if kind.name == "encdec":
+        check_no_sample_options(resume.overrides)
     return Plan(
         resume,
         kind,
         model=instantiate_checked(cfg.model),
-        optim=OptimConfig(**cfg.optim),
+        optim=config_from(OptimConfig, cfg.optim, "optim.", "optim"),
         sample=end_of_run_sample(OmegaConf.to_container(cfg.sample, resolve=True)),
     )
+
+
+def check_no_sample_options(overrides: list[str]) -> None:
+    """An encoder-decoder's end-of-run printout decodes validation sources greedily; it takes
+    no `sample.*` option, which would otherwise be ignored without a word."""
+    given = next((key for key in map(override_key, overrides) if key.startswith("sample.")), None)
+    if given is not None:
+        raise ValueError(
+            f"{given} is for a GPT's end-of-run sample; an encoder-decoder's decodes validation "
+            f"sources: drop {given}, and after the run use python generate.py ckpt=<run dir> "
+            "source=..."
+        )
 
 
 def check_trainer_options(trainer: DictConfig) -> None:
@@ -123,4 +137,4 @@ def end_of_run_sample(options: dict) -> SamplingConfig:
             "sample.decoding='beam' is for generate.py on an encoder-decoder; the end-of-run "
             "sample is sample or greedy"
         )
-    return SamplingConfig(**options, key_prefix="sample.")
+    return config_from(SamplingConfig, options, "sample.", "sample", key_prefix="sample.")
