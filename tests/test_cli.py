@@ -1,12 +1,15 @@
 """End to end through the real command line: train.py writes a run, generate.py samples it."""
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 from data.tokenizer import tokenizer_from_dict
 from helpers import (
@@ -20,6 +23,7 @@ from helpers import (
     val_losses,
 )
 from model.sampling import SEPARATOR
+from training.summary import generate_option
 from wandb_offline import config, history, run_info, summary
 
 
@@ -97,6 +101,30 @@ def test_train_prints_sample_and_generate_command(trained_run):
     stdout = (trained_run / "stdout.txt").read_text()
     assert "best checkpoint:" in stdout
     assert f"python generate.py ckpt={trained_run}" in stdout
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "ROMEO:",
+        "Measureless liar, thou hast",
+        "usurp'st my father's right",
+        'say "so"',
+        "a\\",
+        "[a,b]",
+        "x=${y}",
+        "\n",
+        " ",
+        "outputs/2026-11-27/12-00-00",
+    ],
+)
+def test_the_printed_generate_command_gives_generate_the_text_as_it_is(value):
+    """The end-of-run printout's `more:` command: the shell and then Hydra read each option
+    back as the very text (a prompt or a source from the data, a run directory)."""
+    (word,) = shlex.split(generate_option("prompt", value))
+    (override,) = OverridesParser.create().parse_overrides([word])
+    assert override.key_or_group == "prompt"
+    assert OmegaConf.create({"prompt": override.value()}).prompt == value
 
 
 @pytest.mark.slow

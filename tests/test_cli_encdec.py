@@ -1,5 +1,6 @@
 """End to end with the encoder-decoder: train.py model=encdec, then generate.py source=..."""
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,11 @@ def test_encdec_summary_shows_decodes_and_command(encdec_run):
     assert "copy-the-source baseline" in stdout
     assert stdout.count("\nsource: ") == 3 and stdout.count("\noutput: ") == 3
     assert f"python generate.py ckpt={encdec_run}" in stdout
+    # The command runs as printed (its source, a speech, has the apostrophes and commas of one).
+    more = next(line for line in stdout.splitlines() if line.startswith("more: python "))
+    _, script, *arguments = shlex.split(more.removeprefix("more: "))
+    result = run_script(script, *arguments, cache_dir=encdec_run / "cache")
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
 
 
 @pytest.mark.slow

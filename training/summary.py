@@ -3,6 +3,7 @@ end-of-run sample before training too (its prompt is checked then), and at the e
 summary.json (for report.py and for people) and the printout of the best checkpoint."""
 
 import json
+import re
 import shlex
 import sys
 import time
@@ -131,14 +132,14 @@ def print_best(
     print(f"\nbest checkpoint: {best} (val/loss {callback.best_model_score:.4f})")
     model, hparams = load_checkpoint(Path(best))
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])
-    command = f"python generate.py ckpt={run_dir}"
+    command = f"python generate.py {generate_option('ckpt', run_dir)}"
     if isinstance(model, EncoderDecoder):
         pairs = datamodule.val_texts(3)
         outputs = greedy_decodes(model, tokenizer, [s for s, _ in datamodule.val_pairs(3)])
         for (source_text, target_text), output in zip(pairs, outputs, strict=True):
             print(f"\nsource: {source_text}\noutput: {tokenizer.decode(output)}")
             print(f"target: {target_text}")
-        print(f"\nmore: {command} {shlex.quote(f'source={pairs[0][0]}')} decoding=beam")
+        print(f"\nmore: {command} {generate_option('source', pairs[0][0])} decoding=beam")
         return
     print("sample:\n")
     # On one thread: the run's last attention maps are being drawn on another core meanwhile,
@@ -150,4 +151,16 @@ def print_best(
         stream_samples(model, tokenizer, sample, torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
-    print(f"\nmore: {command} {shlex.quote(f'prompt={sample.prompt}')} max_new_tokens=500")
+    print(f"\nmore: {command} {generate_option('prompt', sample.prompt)} max_new_tokens=500")
+
+
+def generate_option(key: str, value: str) -> str:
+    """`key=value` as one shell word that generate.py's command line reads back as the string
+    `value` (a speech with commas and apostrophes, say): in double quotes for Hydra, with the
+    quotes, the backslashes before them and interpolations `${` escaped, then quoted for the
+    shell."""
+    if re.fullmatch(r"[\w./:@+-]+", value):  # as Hydra reads it unquoted
+        return f"{key}={value}"
+    escaped = re.sub(r'(\\+)(?="|$)', lambda run: run.group(1) * 2, value)
+    escaped = escaped.replace('"', '\\"').replace("${", "\\${")
+    return shlex.quote(f'{key}="{escaped}"')
