@@ -43,7 +43,9 @@ def load_safely(
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
+    # KeyError: a text file's bytes read as pickle opcodes can fetch a memo entry that was never
+    # stored (`hi` is BINGET of entry 105).
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError) as error:
         first_line = str(error).splitlines()[0] if str(error) else "truncated or foreign file"
         raise ValueError(
             f"{path} is not a readable tinyformer checkpoint ({type(error).__name__}: "

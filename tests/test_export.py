@@ -262,3 +262,24 @@ def test_export_command_writes_what_generate_samples_like_the_checkpoint(
     ]
     assert sampled[0].returncode == 0 and sampled[1].returncode == 0, sampled[1].stderr
     assert sampled[1].stdout == sampled[0].stdout
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["generate.py"], ["evaluate.py"], ["export.py", "out={tmp}/export"]],
+    ids=["generate", "evaluate", "export"],
+)
+@pytest.mark.parametrize("text", ["hi", "hello world"])
+def test_a_text_file_given_as_checkpoint_is_one_line_naming_it(tmp_path, command, text):
+    # Read as pickle opcodes, such bytes fail with a KeyError inside torch's unpickler.
+    checkpoint = tmp_path / "x.ckpt"
+    checkpoint.write_text(text)
+    script, *options = command
+    options = [option.format(tmp=tmp_path) for option in options]
+    result = run_script(script, f"ckpt={checkpoint}", *options, cache_dir=tmp_path / "cache")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: {checkpoint} is not a readable tinyformer checkpoint (KeyError: "
+        f"{ord(text[1])}); point at a .ckpt written by train.py"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.ckpt"]  # and nothing written
