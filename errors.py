@@ -9,8 +9,10 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 import types
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
@@ -118,3 +120,21 @@ def check_field_types(config: object, prefix: str) -> None:
                 TYPE_NAMES.get(k, "null" if k is type(None) else str(k)) for k in expected
             )
             raise ValueError(f"{prefix}{field.name} must be {kinds}, got {value!r}")
+
+
+def check_writable(path: Path, shown: str, fix: str) -> None:
+    """Raise `<shown> cannot be written (<why>): <fix>` unless a file can be made in the folder
+    that is to hold `path`, or the nearest one above it that exists (the commands make the
+    rest). Commands check this before their long work, which would otherwise end in a
+    traceback after it; making a file is the test that permissions, a read-only disk and a
+    path through a file all fail as the real write would."""
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{shown} cannot be written ({error.strerror} in {folder}): {fix}"
+        ) from None

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from data.files import disk_full_cause, write_text_atomic
 from data.lm_text import LMDataConfig, TokenBlocks, eval_documents, token_stream, whole_batch
 from data.metrics import character_error_rate
 from data.seq2seq_text import (
@@ -35,8 +36,8 @@ from data.seq2seq_text import (
     eval_pairs,
 )
 from data.tokenizer import tokenizer_from_dict
-from errors import check, check_field_types, check_int, exit_on_user_error
-from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
+from errors import check, check_field_types, check_int, check_writable, exit_on_user_error
+from model.checkpoint import EXPORT_CONFIG, find_checkpoint, is_export, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
 from model.gpt import GPT
@@ -258,6 +259,49 @@ def default_out(checkpoint: Path, name: str) -> Path:
     return folder / f"eval_{name}.json"
 
 
+# The keys every result of evaluate.py holds: an existing out= file with them may be replaced.
+RESULT_KEYS = {"checkpoint", "kind", "data", "loss"}
+# A result is a few hundred bytes; a bigger file is something else, and is not read whole.
+RESULT_MAX_BYTES = 1_000_000
+
+
+def earlier_result(path: Path) -> bool:
+    """Whether the file `path` holds an earlier result of evaluate.py, which a new one may
+    replace."""
+    if path.stat().st_size > RESULT_MAX_BYTES:
+        return False
+    try:
+        result = json.loads(path.read_bytes())
+    except ValueError:  # not JSON, or not text: a checkpoint, say
+        return False
+    return isinstance(result, dict) and RESULT_KEYS <= result.keys()
+
+
+def check_out(out: Path, shown: str) -> None:
+    """Refuse an `out` (named `shown` in messages) that the result could not be written to, or
+    whose writing would replace a saved file: before scoring, which may take long."""
+    if out.is_dir():
+        raise ValueError(
+            f"{shown} is a directory: give a .json file's path, e.g. out={out / 'eval.json'}"
+        )
+    if out.parent.name == "checkpoints":
+        raise ValueError(
+            f"{shown} lies in a run's checkpoints/ folder, which holds its checkpoints only: "
+            "leave out= out to write eval_<data>.json in the run directory, or give a .json "
+            "path elsewhere"
+        )
+    if out.name == EXPORT_CONFIG and is_export(out.parent):
+        raise ValueError(f"{shown} is an export's config: give a .json path outside the export")
+    if out.suffix.lower() != ".json":
+        raise ValueError(f"{shown} is not a .json path: give a file name ending in .json")
+    if out.is_file() and not earlier_result(out):
+        raise ValueError(
+            f"{shown} holds a file that is not an earlier result of evaluate.py (a checkpoint, "
+            "a run's summary.json...): give a new .json path, or remove that file"
+        )
+    check_writable(out, shown, "give out= a .json path in a folder you can write to")
+
+
 def report(result: dict, out: Path) -> None:
     """The table on stdout and the result as JSON in `out`."""
     lines = [("checkpoint", f"{result['checkpoint']} ({result['kind']})"), ("data", result["data"])]
@@ -265,8 +309,19 @@ def report(result: dict, out: Path) -> None:
     width = max(len(label) for label, _ in lines)
     for label, value in lines:
         print(f"{label:<{width}}  {value}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # A new file renamed over the old: never written in place, so that a hard link of it
+        # elsewhere keeps its content, and a failed write leaves the earlier result whole.
+        write_text_atomic(out, json.dumps(result, indent=2) + "\n")
+    except OSError as error:
+        if disk_full_cause(error) is None:
+            raise
+        raise ValueError(
+            f"no space left on the disk of {out.parent} to write {out.name} (nothing there "
+            "was replaced; the table above holds the result): free some space, or give out= "
+            "on another disk"
+        ) from None
     print(f"written to {out}")
 
 
@@ -277,14 +332,16 @@ def run(cfg: DictConfig) -> dict:
     model, hparams = load_checkpoint(checkpoint)
     kind = hparams.get("kind", "gpt")
     config = data_config(cfg, KINDS[kind], hparams, str(checkpoint))
+    choice = HydraConfig.get().runtime.choices.get("data") or "val"
+    name = choice + ("_test" if getattr(config, "split", None) == "test" else "")
+    out = Path(options.out).expanduser() if options.out else default_out(checkpoint, name)
+    check_out(out, f"out={options.out}" if options.out else f"the default out={out}")
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])
     score = score_gpt if kind == "gpt" else score_encdec
     result = {"checkpoint": str(checkpoint), "kind": kind}
     result |= score(model.to(device), tokenizer, config, options.batch_size, device)
     result["data_config"] = asdict(config)
-    choice = HydraConfig.get().runtime.choices.get("data") or "val"
-    name = choice + ("_test" if getattr(config, "split", None) == "test" else "")
-    report(result, Path(options.out) if options.out else default_out(checkpoint, name))
+    report(result, out)
     return result
 
 

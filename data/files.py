@@ -7,19 +7,34 @@ state; checkpoints are made durable in training/checkpoint_io.py."""
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 # What a write fails with when the disk, or the user's quota on it, is full.
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+def write_files_atomic(writers: dict[Path, Callable[[Path], None]]) -> None:
+    """Have each writer write its file under a temporary name of this process's beside it, then
+    rename them all into place: readers (other DDP ranks, a report running meanwhile) see the
+    old files or the new ones, never half of one, and a writer that fails (a full disk)
+    replaces none of them and leaves no temporary file."""
+    temporaries = {path: path.with_name(f".{path.name}.{os.getpid()}.tmp") for path in writers}
+    try:
+        for path, write in writers.items():
+            write(temporaries[path])
+        for path, temporary in temporaries.items():
+            os.replace(temporary, path)
+    except BaseException:
+        for temporary in temporaries.values():
+            if temporary.exists():  # unlink(missing_ok=True) fails on a read-only disk
+                temporary.unlink()
+        raise
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary name of this process's beside `path`, then rename it over
-    `path`: readers (other DDP ranks, a report running meanwhile) see the old file or the new
-    one, never half of one."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
+    """Write `text` to `path` as write_files_atomic writes a file."""
+    write_files_atomic({path: lambda temporary: temporary.write_text(text, encoding="utf-8")})
 
 
 def disk_full_cause(error: BaseException | None) -> OSError | None:

@@ -306,6 +306,22 @@ def small_disk(folder: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "--lazy", str(folder)], check=True)
 
 
+@contextmanager
+def read_only(folder: Path) -> Iterator[Path]:
+    """`folder`, as it is, mounted read-only over itself while the block runs, so that writes
+    there fail with EROFS as on a read-only disk, whoever runs the test (file permissions stop
+    no root); the test is skipped where mounting needs a root this process is not."""
+    bind = ["mount", "--bind", str(folder), str(folder)]
+    if subprocess.run(bind, capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount a folder read-only here (needs root)")
+    try:
+        remount = ["mount", "-o", "remount,bind,ro", str(folder)]
+        subprocess.run(remount, capture_output=True, check=True)
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
 def fault(name: str, **options) -> list[str]:
     """The overrides that add faults.py's `name` to a run, e.g. fault("SignalAt", step=20,
     signum=9): it fires in the run started afresh, not in the resumed one."""

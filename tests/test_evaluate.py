@@ -5,6 +5,7 @@ dataset's test split, and turns mistakes into one line."""
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,11 @@ from helpers import (
     EOS,
     PAD,
     SMALLEST_BASE,
+    read_only,
     run_script,
+    save_checkpoint,
     sharpened,
+    small_disk,
     tiny_encdec,
     tiny_gpt,
     train_run,
@@ -278,3 +282,139 @@ def test_mistakes_are_one_line(request, cache, tmp_path, run, overrides, message
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(message, last), last
+
+
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n" * 4
+
+
+def saved_run(folder: Path) -> Path:
+    """A run directory as train.py leaves it after one best checkpoint: last.ckpt a hard link
+    of best-step5.ckpt, summary.json and the Hydra record beside them; and a text to score."""
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / ".hydra").mkdir()
+    (folder / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (folder / "summary.json").write_text('{"status": "completed"}')
+    tokenizer = CharTokenizer.from_text(TEXT)
+    best = save_checkpoint(
+        tiny_gpt(tokenizer.vocab_size), tokenizer, folder / "checkpoints" / "best-step5.ckpt"
+    )
+    (folder / "checkpoints" / "last.ckpt").hardlink_to(best)
+    (folder / "held_out.txt").write_text(TEXT)
+    return folder
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def evaluate_text(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """evaluate.py of the run's checkpoint on its held_out.txt: a few blocks, scored at once."""
+    text = ["data=text_files", f"data.paths=[{run_dir / 'held_out.txt'}]"]
+    return run_script(
+        "evaluate.py", f"ckpt={run_dir}", *text, *overrides, cache_dir=run_dir.parent / "cache"
+    )
+
+
+def refused(result: subprocess.CompletedProcess) -> str:
+    """The one line of a command that stopped at a mistake before it scored anything."""
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and result.stdout == "", result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: "), line
+    return line
+
+
+# out= values (in a saved run with an export folder) that would lose a saved file, and the line
+# that refuses each.
+REFUSED_OUTS = [
+    # last.ckpt is a hard link of best-step5.ckpt: written in place, both would be lost.
+    (
+        "checkpoints/last.ckpt",
+        r"out=.*/checkpoints/last.ckpt lies in a run's checkpoints/ folder, which holds its "
+        r"checkpoints only: leave out= out .* or give a .json path elsewhere$",
+    ),
+    ("checkpoints/scores.json", r"out=.*/checkpoints/scores.json lies in a run's checkpoints/"),
+    (
+        "summary.json",
+        r"out=.*/summary.json holds a file that is not an earlier result of evaluate.py .*: "
+        r"give a new .json path, or remove that file$",
+    ),
+    (
+        "export/config.json",
+        r"out=.*/export/config.json is an export's config: give a .json path outside the "
+        r"export$",
+    ),
+    (".", r"out=.* is a directory: give a .json file's path, e.g. out=.*/eval.json$"),
+    ("scores.txt", r"out=.*/scores.txt is not a .json path: give a file name ending in .json$"),
+    (
+        "summary.json/scores.json",
+        r"out=.*/summary.json/scores.json cannot be written \(Not a directory in "
+        r".*/summary.json\): give out= a .json path in a folder you can write to$",
+    ),
+]
+
+
+@pytest.mark.parametrize(("out", "message"), REFUSED_OUTS, ids=[out for out, _ in REFUSED_OUTS])
+def test_an_out_that_would_replace_a_saved_file_is_refused_before_scoring(tmp_path, out, message):
+    run_dir = saved_run(tmp_path / "run")
+    (run_dir / "export").mkdir()
+    for name in ("config.json", "model.safetensors"):  # what makes a folder an export
+        (run_dir / "export" / name).write_text("{}")
+    before = files_under(run_dir)
+    line = refused(evaluate_text(run_dir, f"out={run_dir / out}"))
+    assert re.search(message, line), line
+    assert files_under(run_dir) == before
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_scoring(tmp_path):
+    run_dir = saved_run(tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with read_only(run_dir), read_only(elsewhere):
+        line = refused(evaluate_text(run_dir))
+        assert line == (
+            f"error: the default out={run_dir / 'eval_text_files.json'} cannot be written "
+            f"(Read-only file system in {run_dir}): give out= a .json path in a folder you can "
+            "write to"
+        )
+        out = elsewhere / "new" / "scores.json"  # its folder is made when written
+        line = refused(evaluate_text(run_dir, f"out={out}"))
+        assert line.startswith(
+            f"error: out={out} cannot be written (Read-only file system in {elsewhere}): "
+        )
+
+
+def test_the_result_replaces_an_earlier_one_by_rename_never_in_place(tmp_path):
+    run_dir = saved_run(tmp_path / "run")
+    out = run_dir / "eval_text_files.json"
+    result = evaluate_text(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = out.read_text()
+    (tmp_path / "kept.json").hardlink_to(out)  # as last.ckpt is of the best checkpoint
+    (run_dir / "held_out.txt").write_text(TEXT * 2)
+    result = evaluate_text(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "kept.json").read_text() == first
+    assert json.loads(out.read_text())["tokens"] > json.loads(first)["tokens"]
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_a_full_disk_keeps_the_earlier_result_and_is_one_line(tmp_path):
+    run_dir = saved_run(tmp_path / "run")
+    with small_disk(tmp_path / "small", "64k") as disk:
+        out = disk / "scores.json"
+        result = evaluate_text(run_dir, f"out={out}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        earlier = out.read_text()
+        # Every page of the disk but the one that scores.json holds.
+        (disk / "filler").write_bytes(b"x" * (64 * 1024 - 4096))
+        result = evaluate_text(run_dir, f"out={out}")
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert result.stderr.strip().splitlines() == [
+            f"error: no space left on the disk of {disk} to write scores.json (nothing there was "
+            "replaced; the table above holds the result): free some space, or give out= on "
+            "another disk"
+        ]
+        assert "loss" in result.stdout  # the table
+        assert out.read_text() == earlier
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "scores.json"]
