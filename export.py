@@ -80,12 +80,26 @@ def holds_export(folder: Path) -> bool:
     return True
 
 
+def is_run_dir(folder: Path) -> bool:
+    """Whether `folder` is a run's directory, as train.py makes one."""
+    return (folder / "checkpoints").is_dir() or (folder / ".hydra").is_dir()
+
+
 def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
     """Refuse an `out` where the export would lose saved files."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={out} is a file: give a directory")
     if checkpoint.resolve().is_relative_to(out.resolve()):
         raise ValueError(f"out={out} holds the checkpoint it exports ({checkpoint}): give another")
+    # Any run's, whatever overwrite says: its tokenizer files would be replaced, and resuming
+    # it would find an export where a run should be.
+    run = out.parent if out.name == "checkpoints" and is_run_dir(out.parent) else out
+    if is_run_dir(run):
+        what = "a run's directory" if run == out else "a run's checkpoints/ folder"
+        raise ValueError(
+            f"out={out} is {what}, whose files an export would replace: give a new directory, "
+            f"e.g. out={run / 'export'}"
+        )
     if out.is_dir() and any(out.iterdir()) and not overwrite and not holds_export(out):
         raise ValueError(
             f"out={out} is not empty and holds no earlier export: give a new directory, or add "

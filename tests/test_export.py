@@ -11,7 +11,13 @@ from safetensors import safe_open
 
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from export import ExportOptions, export
-from helpers import run_script, save_checkpoint, sharpened, tiny_encdec, tiny_gpt
+from helpers import (
+    run_script,
+    save_checkpoint,
+    sharpened,
+    tiny_encdec,
+    tiny_gpt,
+)
 from model.attention import AttentionConfig
 from model.checkpoint import find_checkpoint, load_checkpoint
 
@@ -283,3 +289,42 @@ def test_a_text_file_given_as_checkpoint_is_one_line_naming_it(tmp_path, command
         f"{ord(text[1])}); point at a .ckpt written by train.py"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.ckpt"]  # and nothing written
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def export_command(checkpoint: Path, out: Path, *options: str) -> str:
+    """The one line of an export.py that stopped at a mistake, with status 1."""
+    result = run_script(
+        "export.py", f"ckpt={checkpoint}", f"out={out}", *options, cache_dir=out.parent / "cache"
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    return line
+
+
+@pytest.mark.parametrize("overwrite", ["overwrite=false", "overwrite=true"])
+@pytest.mark.parametrize("record", ["checkpoints", ".hydra"])
+def test_another_runs_directory_is_never_exported_into(tmp_path, overwrite, record):
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    run_dir = tmp_path / "run"  # another run's, as train.py left it: resumed from its files
+    (run_dir / record).mkdir(parents=True)
+    (run_dir / record / "kept").write_text("its state")
+    CHARS.save(run_dir / "tokenizer.json")
+    before = files_under(run_dir)
+    line = export_command(checkpoint, run_dir, overwrite)
+    assert line == (
+        f"error: out={run_dir} is a run's directory, whose files an export would replace: give "
+        f"a new directory, e.g. out={run_dir / 'export'}"
+    )
+    if record == "checkpoints":  # nor its checkpoints/ folder
+        line = export_command(checkpoint, run_dir / "checkpoints", overwrite)
+        assert line == (
+            f"error: out={run_dir / 'checkpoints'} is a run's checkpoints/ folder, whose files "
+            f"an export would replace: give a new directory, e.g. out={run_dir / 'export'}"
+        )
+    assert files_under(run_dir) == before
+    exported(checkpoint, run_dir / "export")  # a new folder inside it is the export's own
+    assert load(run_dir / "export")[1]["kind"] == "gpt"
