@@ -22,8 +22,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 
+from data.files import disk_full_cause
 from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
-from errors import check_field_types, exit_on_user_error
+from errors import check_field_types, check_writable, exit_on_user_error
 from model.checkpoint import (
     EXPORT_CONFIG,
     EXPORT_WEIGHTS,
@@ -86,7 +87,7 @@ def is_run_dir(folder: Path) -> bool:
 
 
 def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
-    """Refuse an `out` where the export would lose saved files."""
+    """Refuse an `out` where the export would lose saved files, or that cannot be written."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={out} is a file: give a directory")
     if checkpoint.resolve().is_relative_to(out.resolve()):
@@ -105,6 +106,10 @@ def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
             f"out={out} is not empty and holds no earlier export: give a new directory, or add "
             "overwrite=true to write the export's files into it (files of other names stay)"
         )
+    unwritable = "give out= a directory on a disk you can write to"
+    check_writable(out, f"out={out}", unwritable)  # the export is written beside it first
+    if out.is_dir():  # and its files moved into it
+        check_writable(out / EXPORT_CONFIG, f"out={out}", unwritable)
 
 
 def publish(staging: Path, out: Path) -> None:
@@ -218,6 +223,13 @@ def export(options: ExportOptions) -> Path:
             write_safetensors(model, record, staging)
         share_like_other_files(staging)
         publish(staging, out)
+    except Exception as error:
+        if disk_full_cause(error) is None:  # safetensors' error holds the errno in its text
+            raise
+        raise ValueError(
+            f"no space left on the disk of {out.parent} to write the export (nothing was "
+            f"written to {out}): free some space, or give out= on another disk"
+        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return checkpoint

@@ -7,11 +7,15 @@ state; checkpoints are made durable in training/checkpoint_io.py."""
 
 import errno
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 # What a write fails with when the disk, or the user's quota on it, is full.
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How a Rust I/O error ends its message: libraries written in Rust (safetensors) raise it as
+# text only, with no OSError to find.
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def write_files_atomic(writers: dict[Path, Callable[[Path], None]]) -> None:
@@ -43,6 +47,10 @@ def disk_full_cause(error: BaseException | None) -> OSError | None:
     while error is not None and id(error) not in seen:
         if isinstance(error, OSError) and error.errno in DISK_FULL:
             return error
+        rust_error = RUST_OS_ERROR.search(str(error))
+        if rust_error is not None and int(rust_error.group(1)) in DISK_FULL:
+            code = int(rust_error.group(1))
+            return OSError(code, os.strerror(code))
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None

@@ -12,9 +12,11 @@ from safetensors import safe_open
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from export import ExportOptions, export
 from helpers import (
+    read_only,
     run_script,
     save_checkpoint,
     sharpened,
+    small_disk,
     tiny_encdec,
     tiny_gpt,
 )
@@ -243,7 +245,7 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("export.save_model", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ValueError, match=r"^no space left on the disk of .* to write the export"):
         exported(checkpoint, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not list(tmp_path.glob(".*.tmp"))
@@ -328,3 +330,29 @@ def test_another_runs_directory_is_never_exported_into(tmp_path, overwrite, reco
     assert files_under(run_dir) == before
     exported(checkpoint, run_dir / "export")  # a new folder inside it is the export's own
     assert load(run_dir / "export")[1]["kind"] == "gpt"
+
+
+def test_an_out_on_a_read_only_disk_is_one_line_and_writes_nothing(tmp_path):
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    disk = tmp_path / "disk"
+    earlier = exported(checkpoint, disk / "earlier")
+    before = files_under(disk)
+    with read_only(disk):
+        for out in (disk / "new", earlier):
+            assert export_command(checkpoint, out) == (
+                f"error: out={out} cannot be written (Read-only file system in {disk}): give "
+                "out= a directory on a disk you can write to"
+            )
+    assert files_under(disk) == before
+
+
+def test_an_export_that_fills_the_disk_is_one_line_and_leaves_nothing(tmp_path):
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)  # 100 kB of weights
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        out = disk / "export"
+        # safetensors says "No space left on device (os error 28)" in its message only.
+        assert export_command(checkpoint, out) == (
+            f"error: no space left on the disk of {disk} to write the export (nothing was "
+            f"written to {out}): free some space, or give out= on another disk"
+        )
+        assert list(disk.iterdir()) == []
