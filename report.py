@@ -35,11 +35,28 @@ COLUMNS = [
 
 # The status of a job that started (Hydra wrote its record) but never wrote summary.json.
 UNFINISHED = "no summary.json: killed, or still running"
+# The status of a job whose summary.json is not one (cut short, edited...); why follows.
+UNREADABLE = "unreadable summary.json"
+
+
+def read_summary(path: Path) -> dict | str:
+    """The job's summary in `path`, or the status that says why it cannot be read."""
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # ValueError: not JSON, or not text
+        return f"{UNREADABLE} ({type(error).__name__}: {error})"
+    if not isinstance(summary, dict) or not isinstance(summary.get("status"), str):
+        return f"{UNREADABLE} (a JSON {type(summary).__name__} without a status)"
+    overrides = summary.get("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        return f"{UNREADABLE} (its overrides are not a list of strings)"
+    return summary
 
 
 def load_jobs(sweep_dir: Path) -> list[dict]:
     """The jobs' summaries, in job order, each with its parsed overrides under "values". A job
-    that started but never wrote its summary is listed too, as UNFINISHED."""
+    that started but never wrote its summary is listed too, as UNFINISHED, and one whose
+    summary cannot be read as UNREADABLE, with its overrides from Hydra's record."""
     started = {p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")}
     summarised = {p.parent for p in sweep_dir.glob("*/summary.json")}
     folders = sorted(started | summarised, key=lambda p: (len(p.name), p))
@@ -50,11 +67,11 @@ def load_jobs(sweep_dir: Path) -> list[dict]:
         )
     jobs = []
     for folder in folders:
-        if folder in summarised:
-            job = json.loads((folder / "summary.json").read_text())
-        else:
-            overrides = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text())
-            job = {"status": UNFINISHED, "overrides": overrides or []}
+        job = read_summary(folder / "summary.json") if folder in summarised else UNFINISHED
+        if isinstance(job, str):
+            record = folder / ".hydra" / "overrides.yaml"
+            overrides = yaml.safe_load(record.read_text()) if record.is_file() else []
+            job = {"status": job, "overrides": overrides or []}
             job["job"] = int(folder.name) if folder.name.isdigit() else None
         job["dir"] = folder
         job["values"] = dict(o.split("=", 1) for o in job.get("overrides", []) if "=" in o)

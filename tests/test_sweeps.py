@@ -2,6 +2,7 @@
 report.py, run through the real command line."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import optuna
@@ -194,3 +195,42 @@ def test_optuna_search_prunes_records_failures_and_resumes(tmp_path, cache):
     assert json.loads((sweep / "4" / "summary.json").read_text())["status"] == "completed"
     assert not (sweep / "3").exists()
     assert json.loads((sweep / "1" / "summary.json").read_text())["status"] == "pruned"
+
+
+def sweep_of(folder: Path, jobs: int) -> Path:
+    """A sweep over n_head = 1, 2, 4... as train.py -m leaves it: each job's Hydra record and
+    the summary.json of a completed job."""
+    for job in range(jobs):
+        overrides = [f"model.attention.n_head={2**job}", "trainer.max_steps=12"]
+        (folder / str(job) / ".hydra").mkdir(parents=True)
+        (folder / str(job) / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        history = [{"step": 6, "time": 1.0, "val/loss": 4.0 - job}, {"step": 12, "train/loss": 3.0}]
+        summary = {"overrides": overrides, "job": job, "status": "completed"}
+        summary |= {"steps": 12, "best_val_loss": 4.0 - job, "history": history}
+        (folder / str(job) / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+def report_command(sweep: Path, cache: Path) -> subprocess.CompletedProcess:
+    return run_script("report.py", str(sweep), cache_dir=cache, env={"WANDB_MODE": "offline"})
+
+
+def test_report_lists_a_job_whose_summary_cannot_be_read_and_reports_the_others(tmp_path):
+    sweep = sweep_of(tmp_path / "sweep", 4)
+    (sweep / "1" / "summary.json").write_text('{"status": ')  # cut short: a full disk, a kill
+    (sweep / "2" / "summary.json").write_text("[1, 2]")  # JSON, but no job's summary
+    result = report_command(sweep, tmp_path / "cache")
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+    text = (sweep / "report.md").read_text()
+    assert text.strip() in result.stdout
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "job" not in line]
+    assert rows == [
+        "| 0 | 1 | completed | – | – | 4.000 | – | – | – | – | – |",
+        "| 1 | 2 | unreadable summary.json (JSONDecodeError: Expecting value: line 1 column 12 "
+        "(char 11)) | – | – | – | – | – | – | – | – |",
+        "| 2 | 4 | unreadable summary.json (a JSON list without a status) | – | – | – | – | – | – "
+        "| – | – |",
+        "| 3 | 8 | completed | – | – | 1.000 | – | – | – | – | – |",
+    ]
+    for plot in ("val_loss.png", "loss_curves.png"):
+        assert (sweep / plot).stat().st_size > 10_000
