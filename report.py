@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import sys
+from functools import partial
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +21,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
+
+from data.files import disk_full_cause, write_files_atomic  # noqa: E402
+from errors import USER_ERRORS, check_writable  # noqa: E402
 
 COLUMNS = [
     ("train loss", "train/loss", "{:.3f}"),
@@ -146,7 +150,7 @@ def plot_loss_vs_values(jobs: list[dict], swept: list[str], path: Path) -> None:
         ax.set_ylabel("best val loss")
         ax.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, format="png")  # `path` is a temporary name: no .png
     plt.close(figure)
 
 
@@ -180,7 +184,7 @@ def plot_loss_curves(jobs: list[dict], swept: list[str], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, format="png")  # `path` is a temporary name: no .png
     plt.close(figure)
 
 
@@ -242,19 +246,39 @@ def log_to_wandb(sweep_dir: Path, jobs: list[dict], swept: list[str], plots: lis
 def report(sweep_dir: Path, to_wandb: bool = False) -> str:
     """Write report.md and the plots into `sweep_dir`; return the markdown."""
     jobs = load_jobs(sweep_dir)
+    report_file = sweep_dir / "report.md"
+    check_writable(
+        report_file,
+        f"the sweep directory {sweep_dir}",
+        "report.py writes report.md and its plots there: copy the sweep to a disk you can "
+        "write to and report on the copy",
+    )
     swept = swept_keys(jobs)
     plots = [sweep_dir / "val_loss.png", sweep_dir / "loss_curves.png"]
     completed = [job for job in jobs if job["status"] == "completed"]
     if completed:
-        plot_loss_vs_values(jobs, swept, plots[0])
-        plot_loss_curves(jobs, swept, plots[1])
+        writers = {
+            plots[0]: partial(plot_loss_vs_values, jobs, swept),
+            plots[1]: partial(plot_loss_curves, jobs, swept),
+        }
     else:
-        plots = []
+        plots, writers = [], {}
     fixed = ", ".join(f"`{o}`" for o in fixed_overrides(jobs, swept)) or "none"
     text = f"# Sweep {sweep_dir}\n\nCommon overrides: {fixed}\n\n"
     text += markdown_table(jobs, swept) + "\n" + optuna_best(sweep_dir)
     text += "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
-    (sweep_dir / "report.md").write_text(text)
+    writers[report_file] = lambda temporary: temporary.write_text(text, encoding="utf-8")
+    try:  # all the files or none: an earlier report is never left half replaced
+        write_files_atomic(writers)
+    except Exception as error:
+        if disk_full_cause(error) is None:
+            raise
+        raise ValueError(
+            f"no space left on the disk of {sweep_dir} to write the report (an earlier report "
+            "there is intact): free some space, and run report.py again"
+        ) from None
+    finally:
+        plt.close("all")  # a figure whose saving failed
     if to_wandb or jobs_logged_online(jobs):
         log_to_wandb(sweep_dir, jobs, swept, plots)
     return text
@@ -267,7 +291,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         print(report(args.sweep_dir, args.wandb))
-    except (FileNotFoundError, WandbUnavailable) as error:
+    except (*USER_ERRORS, WandbUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

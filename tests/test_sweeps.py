@@ -12,7 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 
 import report
-from helpers import ROOT, SMALLEST_BASE, composed, run_script
+from helpers import ROOT, SMALLEST_BASE, composed, read_only, run_script, small_disk
 from hydra_plugins.tinyformer_optuna import OptunaSweeper, dimension
 from wandb_offline import history, run_info
 
@@ -234,3 +234,34 @@ def test_report_lists_a_job_whose_summary_cannot_be_read_and_reports_the_others(
     ]
     for plot in ("val_loss.png", "loss_curves.png"):
         assert (sweep / plot).stat().st_size > 10_000
+
+
+def test_report_on_a_read_only_sweep_is_one_line(tmp_path):
+    sweep = sweep_of(tmp_path / "sweep", 2)
+    with read_only(sweep):
+        result = report_command(sweep, tmp_path / "cache")
+    assert result.returncode == 1 and result.stdout == "", result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"error: the sweep directory {sweep} cannot be written (Read-only file system in "
+        f"{sweep}): report.py writes report.md and its plots there: copy the sweep to a disk you "
+        "can write to and report on the copy"
+    ]
+
+
+def test_report_on_a_full_disk_is_one_line_and_keeps_the_earlier_report(tmp_path):
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        sweep = sweep_of(disk / "sweep", 3)
+        assert report_command(sweep, tmp_path / "cache").returncode == 0
+        earlier = {p.name: p.read_bytes() for p in sweep.iterdir() if p.is_file()}
+        assert sorted(earlier) == ["loss_curves.png", "report.md", "val_loss.png"]
+        (sweep / "2" / "summary.json").unlink()  # the next report differs: job 2 unfinished
+        with open(disk / "filler", "wb") as filler:  # every page the disk has left
+            with pytest.raises(OSError, match="No space left"):
+                filler.write(b"x" * 256 * 1024)
+        result = report_command(sweep, tmp_path / "cache")
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert result.stderr.splitlines() == [
+            f"error: no space left on the disk of {sweep} to write the report (an earlier "
+            "report there is intact): free some space, and run report.py again"
+        ]
+        assert {p.name: p.read_bytes() for p in sweep.iterdir() if p.is_file()} == earlier
