@@ -268,11 +268,11 @@ RESULT_MAX_BYTES = 1_000_000
 def earlier_result(path: Path) -> bool:
     """Whether the file `path` holds an earlier result of evaluate.py, which a new one may
     replace."""
-    if path.stat().st_size > RESULT_MAX_BYTES:
-        return False
     try:
+        if path.stat().st_size > RESULT_MAX_BYTES:
+            return False
         result = json.loads(path.read_bytes())
-    except ValueError:  # not JSON, or not text: a checkpoint, say
+    except (OSError, ValueError):  # unreadable, not JSON, or not text: a checkpoint, say
         return False
     return isinstance(result, dict) and RESULT_KEYS <= result.keys()
 
@@ -284,13 +284,14 @@ def check_out(out: Path, shown: str) -> None:
         raise ValueError(
             f"{shown} is a directory: give a .json file's path, e.g. out={out / 'eval.json'}"
         )
-    if out.parent.name == "checkpoints":
+    folder = out.absolute().parent  # out=x.json given inside a checkpoints/ folder too
+    if folder.name == "checkpoints":
         raise ValueError(
             f"{shown} lies in a run's checkpoints/ folder, which holds its checkpoints only: "
             "leave out= out to write eval_<data>.json in the run directory, or give a .json "
             "path elsewhere"
         )
-    if out.name == EXPORT_CONFIG and is_export(out.parent):
+    if out.name == EXPORT_CONFIG and is_export(folder):
         raise ValueError(f"{shown} is an export's config: give a .json path outside the export")
     if out.suffix.lower() != ".json":
         raise ValueError(f"{shown} is not a .json path: give a file name ending in .json")
