@@ -162,6 +162,8 @@ class OptunaSweeper(Sweeper):
             direction=self.direction,
             load_if_exists=True,
         )
+        if study.trials:  # resumed: a sampler seeded as at the start would draw its values again
+            self.sampler.reseed_rng()
         retry_interrupted(study)
         failures = []
         for _ in range(self.n_trials - ended_trials(study)):

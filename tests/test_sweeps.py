@@ -157,6 +157,21 @@ GOOD, HOPELESS, INVALID = ("0.0", "0.01"), ("0.0", "1e-09"), ("1.5", "0.01")
 
 
 @pytest.mark.slow
+def test_a_resumed_optuna_search_draws_new_values(tmp_path, cache):
+    # The sampler is seeded (hparams_search/attention.yaml): a search started again from that
+    # seed would spend its first trials on the values of the ones already run.
+    search = ["hparams_search=attention", *JOB, "logger=csv", f"hydra.sweep.dir={tmp_path}"]
+    for trials in (1, 2):
+        result = run_script(
+            "train.py", *search, f"hydra.sweeper.n_trials={trials}", cache_dir=cache
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    first, resumed = optuna.load_study(study_name="attention", storage=storage).trials
+    assert resumed.params["optim.lr"] != first.params["optim.lr"]
+
+
+@pytest.mark.slow
 def test_optuna_search_prunes_records_failures_and_resumes(tmp_path, cache):
     sweep = tmp_path / "search"
     sweep.mkdir()
