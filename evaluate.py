@@ -14,7 +14,7 @@ directory). The checkpoint carries the model and its tokenizer; Lightning and W&
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -36,7 +36,15 @@ from data.seq2seq_text import (
     eval_pairs,
 )
 from data.tokenizer import tokenizer_from_dict
-from errors import check, check_field_types, check_int, check_writable, exit_on_user_error
+from errors import (
+    check,
+    check_field_types,
+    check_int,
+    check_known,
+    check_writable,
+    config_from,
+    exit_on_user_error,
+)
 from model.checkpoint import EXPORT_CONFIG, find_checkpoint, is_export, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
@@ -135,14 +143,8 @@ def data_config(
             "cache_dir": cfg.paths.cache_dir,
             **options,  # +data.key=value on the command line
         }
-    names = {f.name for f in fields(kind.options)}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        which = f"data={choice}" if choice else "the default data"
-        raise ValueError(
-            f"data.{unknown[0]} is not an option of {which}; its options are {sorted(names)}"
-        )
-    config = kind.options(**options)
+    which = f"data={choice}" if choice else "the default data"
+    config = config_from(kind.options, options, "data.", which)
     for key in kind.lengths:  # positions beyond the model's were never trained
         given, limit = getattr(config, key), hparams["model"][key]
         if given > limit:
@@ -327,6 +329,8 @@ def report(result: dict, out: Path) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
+    # `+foo=1` adds a key nothing reads
+    check_known(cfg, ["ckpt", "batch_size", "device", "out", "paths", "data"], "", "evaluate.py")
     options = EvalConfig(batch_size=cfg.batch_size, out=cfg.out)  # before anything is loaded
     device = pick_device(cfg.device)
     checkpoint = find_checkpoint(cfg.ckpt, "best", "ckpt")

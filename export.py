@@ -24,7 +24,7 @@ from safetensors.torch import save_model
 
 from data.files import disk_full_cause
 from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
-from errors import check_field_types, check_writable, exit_on_user_error
+from errors import check_field_types, check_writable, config_from, exit_on_user_error
 from model.checkpoint import (
     EXPORT_CONFIG,
     EXPORT_WEIGHTS,
@@ -255,7 +255,7 @@ def run(cfg: DictConfig) -> None:
             f"give {' and '.join(f'{key}=' for key in missing)}: python export.py "
             "ckpt=<run dir, .ckpt or export> out=<new directory>"
         )
-    options = ExportOptions(**OmegaConf.to_container(cfg, resolve=True))
+    options = config_from(ExportOptions, OmegaConf.to_container(cfg, resolve=True), "", "export.py")
     checkpoint = export(options)
     out = Path(options.out).expanduser().resolve()  # out=. has no name to put a sibling by
     sizes = f"{readable_size(size(checkpoint))} -> {readable_size(size(out))}"
