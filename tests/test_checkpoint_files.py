@@ -130,9 +130,25 @@ def test_a_full_disk_while_checkpointing_is_one_error_and_keeps_the_previous_che
         message = str(error.value)
         remaining = sorted(p.name for p in path.parent.iterdir())
         step = load_safely(path)["step"]
-    assert message.startswith(f"no space left on the disk of {path.parent} to write last.ckpt")
+    assert message.startswith(
+        f"no space left on the disk of {path.parent} to write last.ckpt (the previous checkpoint "
+        f"is intact): free some space and resume with ckpt_path={disk}"
+    )
     assert "\n" not in message
     assert step == 1 and remaining == ["last.ckpt"]  # the previous one, and no half-written file
+
+
+def test_a_full_disk_at_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        path = disk / "checkpoints" / "best-step10.ckpt"
+        with pytest.raises(ValueError) as error:
+            save_durably({"step": 10, "weights": torch.ones(1 << 18)}, path)  # 1 MB: no room
+        remaining = list(path.parent.iterdir())
+    assert str(error.value) == (
+        f"no space left on the disk of {path.parent} to write best-step10.ckpt (no checkpoint "
+        "was saved before it): free some space and start again"
+    )
+    assert remaining == []
 
 
 def test_a_checkpoint_written_in_the_background_holds_the_state_of_its_save(tmp_path):

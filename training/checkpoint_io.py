@@ -74,10 +74,14 @@ def publish(write: Callable[[Path], None], path: Path) -> None:
     except BaseException as error:
         temporary.unlink(missing_ok=True)
         if disk_full_cause(error) is not None:  # torch.save wraps it in a RuntimeError
-            raise ValueError(
-                f"no space left on the disk of {path.parent} to write {path.name} (the previous "
-                "checkpoint is intact): free some space and resume with "
+            then = (
+                f"(the previous checkpoint is intact): free some space and resume with "
                 f"ckpt_path={path.parent.parent}"
+                if any(path.parent.glob("*.ckpt"))
+                else "(no checkpoint was saved before it): free some space and start again"
+            )
+            raise ValueError(
+                f"no space left on the disk of {path.parent} to write {path.name} {then}"
             ) from None
         raise
     fsync_folder(path.parent)
