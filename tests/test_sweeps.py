@@ -72,6 +72,7 @@ def test_grid_runs_every_job_an_invalid_one_fails_alone_and_report_lists_them(tm
     assert result.returncode == 1  # the sweep reports that a job failed...
     message = "model.n_embd=32 is not divisible by model.attention.n_head=3"
     assert "error: job 1 (" in result.stderr and message in result.stderr
+    assert "Traceback" not in result.stderr
     failed = json.loads((sweep / "1" / "summary.json").read_text())
     assert failed["status"] == "failed" and message in failed["error"]
     for job, n_head in ((0, 2), (2, 4)):  # ...after the others ran to the end

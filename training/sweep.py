@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -19,8 +20,9 @@ from training.guard import TrainingDiverged
 from training.summary import run_summary, write_summary
 
 
-class JobFailed(Exception):
-    """A sweep job that the user's config broke."""
+class JobFailed(CompactHydraException):
+    """A sweep job that the user's config broke. Compact: Hydra ends the sweep with its message
+    alone, not a traceback."""
 
 
 def run_sweep_job(train: Callable[[DictConfig], float | None], cfg: DictConfig) -> float | None:
