@@ -97,10 +97,13 @@ CASES = [
     ("empty_corpus", "train.py", ["data=text_files", "data.paths=[{tmp}/empty.txt]"],
      "error: data.paths: every file is empty ({tmp}/empty.txt)"),
     ("corpus_shorter_than_a_block", "train.py",
-     ["data=text_files", "data.paths=[{tmp}/short.txt]", "data.block_size=256"],
+     ["data=text_files", "data.paths=[{tmp}/short.txt]", "model.block_size=256"],
      "error: data.block_size=256 needs at least 257 tokens but the train split has"),
     ("vocab_smaller_than_tokenizer", "train.py", ["model.vocab_size=10"],
      "error: model.vocab_size=10 is smaller than the tokenizer's"),
+    ("data_block_apart_from_the_model", "train.py", ["data.block_size=64"],
+     "error: data.block_size=64 differs from model.block_size=128: drop data.block_size (it "
+     "follows model.block_size), or set model.block_size=64"),
     ("encdec_given_a_sample_option", "train.py", ["model=encdec", "sample.prompt=hello"],
      "error: sample.prompt is for a GPT's end-of-run sample; an encoder-decoder's decodes "
      "validation sources: drop sample.prompt"),

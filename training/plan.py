@@ -79,6 +79,7 @@ def check_options(cfg: DictConfig) -> Plan:
     check_trainer_options(cfg.trainer)
     kind = kind_of(cfg.model)
     check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
+    check_data_follows_model(cfg.model, cfg.data)
     if kind.name == "encdec":
         check_no_sample_options(resume.overrides)
     return Plan(
@@ -88,6 +89,18 @@ def check_options(cfg: DictConfig) -> Plan:
         optim=config_from(OptimConfig, cfg.optim, "optim.", "optim"),
         sample=end_of_run_sample(OmegaConf.to_container(cfg.sample, resolve=True)),
     )
+
+
+def check_data_follows_model(model: DictConfig, data: DictConfig) -> None:
+    """The lengths the data and the model share (configs/data/ take the model's): a block
+    shorter than the model's would leave its later positions untrained without a word, and a
+    longer one cannot go through it."""
+    for key in sorted(set(model) & set(data) - {"_target_"}):
+        if data[key] != model[key]:
+            raise ValueError(
+                f"data.{key}={data[key]} differs from model.{key}={model[key]}: drop "
+                f"data.{key} (it follows model.{key}), or set model.{key}={data[key]}"
+            )
 
 
 def check_no_sample_options(overrides: list[str]) -> None:
