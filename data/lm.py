@@ -270,7 +270,7 @@ class LMDataModule(CachedDataModule):
                     f"check the files of {key}"
                 )
             if count == 0:  # an empty file cannot be mapped
-                self._check_sizes(counts, carved)
+                self._check_sizes(counts, carved, dropped)
         val_tokens = np.memmap(out / "val.bin", dtype=dtype, mode="r")
         tokenizer.save(out / "tokenizer.json")
         meta = {
@@ -294,15 +294,15 @@ class LMDataModule(CachedDataModule):
             split: np.memmap(entry / f"{split}.bin", dtype=meta["dtype"], mode="r")
             for split in ("train", "val")
         }
-        self._check_sizes(
-            {split: len(tokens) for split, tokens in splits.items()}, meta["val_carved"]
-        )
+        counts = {split: len(tokens) for split, tokens in splits.items()}
+        self._check_sizes(counts, meta["val_carved"], meta.get("val_chars_dropped", 0))
         return splits
 
-    def _check_sizes(self, counts: dict[str, int], carved: bool) -> None:
+    def _check_sizes(self, counts: dict[str, int], carved: bool, dropped: int) -> None:
         """Each split holds a block of data.block_size tokens and the token after it, or a
         one-line error says what is short: the whole text, or one split (`carved`: val is
-        data.val_fraction of the text)."""
+        data.val_fraction of the text; `dropped`: its characters that the tokenizer, trained on
+        the train split, lacks, which a text too short to train on has almost all of)."""
         block = self.config.block_size
         short = [split for split, count in counts.items() if count < block + 1]
         if not short:
@@ -312,7 +312,7 @@ class LMDataModule(CachedDataModule):
             f"data.block_size={block} needs at least {block + 1} tokens but the {split} split "
             f"has {counts[split]}"
         )
-        total = sum(counts.values())
+        total = sum(counts.values()) + dropped
         if total < 2 * (block + 1):
             raise ValueError(
                 f"{needs}, and the whole text {total}: it is shorter than two blocks (one to train "

@@ -88,6 +88,9 @@ def test_a_text_of_two_blocks_trains_and_a_shorter_one_says_so(tmp_path):
         r"text or lower data.block_size$",
     ):
         prepared(**options, block_size=27)
+    # A text of fewer characters than a block trains no tokenizer: its count is its characters.
+    with pytest.raises(ValueError, match=r"the train split has 0, and the whole text 55: "):
+        prepared(**options, block_size=64)
 
 
 def test_the_block_size_keys_a_text_files_entry_whose_split_it_decides(tmp_path):
