@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from data.files import disk_full_cause
 from data.sampler import RankShard, ResumableLoader, ResumableShuffle
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from errors import check_writable
 
 # A complete entry holds this file; it is the last one a build writes (with write_marker).
 MARKER = "meta.json"
@@ -168,6 +169,8 @@ def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
     A damaged entry is rebuilt, saying so in one line on stderr; a full disk is a ValueError."""
     if entry_problem(entry) is None:
         return True
+    move = "give a folder that can be written: TINYFORMER_CACHE=/other/dir (or paths.cache_dir=)"
+    check_writable(entry, f"the data cache {entry.parent.parent}", move)
     entry.parent.mkdir(parents=True, exist_ok=True)
     try:
         with _exclusive(entry.parent / f".{entry.name}.lock", entry):

@@ -99,6 +99,9 @@ CASES = [
     ("corpus_shorter_than_a_block", "train.py",
      ["data=text_files", "data.paths=[{tmp}/short.txt]", "model.block_size=256"],
      "error: data.block_size=256 needs at least 257 tokens but the train split has"),
+    ("cache_through_a_file", "train.py", ["paths.cache_dir={tmp}/short.txt/cache"],
+     "error: the data cache {tmp}/short.txt/cache cannot be written (Not a directory in "
+     "{tmp}/short.txt): give a folder that can be written: TINYFORMER_CACHE=/other/dir"),
     ("vocab_smaller_than_tokenizer", "train.py", ["model.vocab_size=10"],
      "error: model.vocab_size=10 is smaller than the tokenizer's"),
     ("data_block_apart_from_the_model", "train.py", ["data.block_size=64"],
