@@ -27,6 +27,7 @@ from hydra.core.override_parser.types import IntervalSweep, Override
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,11 @@ class OptunaSweeper(Sweeper):
             direction=self.direction,
             load_if_exists=True,
         )
-        if study.trials:  # resumed: a sampler seeded as at the start would draw its values again
-            self.sampler.reseed_rng()
+        sampler = self.config.hydra.sweeper.sampler
+        if study.trials and sampler.get("seed") is not None:
+            # Resumed: seeded as at the start, the sampler would draw the first trials' values
+            # again; seeded past them, a resumed search is as reproducible as a fresh one.
+            study.sampler = instantiate(sampler, seed=sampler.seed + len(study.trials))
         retry_interrupted(study)
         failures = []
         for _ in range(self.n_trials - ended_trials(study)):

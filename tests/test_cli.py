@@ -116,6 +116,14 @@ def test_train_prints_sample_and_generate_command(trained_run):
         "\n",
         " ",
         "outputs/2026-11-27/12-00-00",
+        "a\\${x}",
+        "123",
+        "1e5",
+        "true",
+        "null",
+        "nan",
+        "ÉMILE:",
+        "Straße",
     ],
 )
 def test_the_printed_generate_command_gives_generate_the_text_as_it_is(value):

@@ -192,7 +192,6 @@ def test_sigkilled_job_repeating_its_command_with_ckpt_path_last_resumes_exactly
     assert steps == [29, 39]  # Lightning logs the step before it counts it: 30 and 40
 
 
-@pytest.mark.slow
 def batches_trained(run_dir: Path) -> list[tuple]:
     """(step, fingerprints of its examples) of every batch, in order (callbacks=batch_log)."""
     lines = (run_dir / "batches" / "rank0.jsonl").read_text().splitlines()
@@ -222,6 +221,7 @@ def test_a_run_accumulating_over_shortened_epochs_resumes_on_the_same_batches(tm
         assert torch.equal(final[key], expected[key]), key
 
 
+@pytest.mark.slow
 def test_resume_trains_longer_at_a_new_learning_rate(tmp_path, cache, straight):
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)

@@ -159,8 +159,10 @@ def generate_option(key: str, value: str) -> str:
     `value` (a speech with commas and apostrophes, say): in double quotes for Hydra, with the
     quotes, the backslashes before them and interpolations `${` escaped, then quoted for the
     shell."""
-    if re.fullmatch(r"[\w./:@+-]+", value):  # as Hydra reads it unquoted
+    # Unquoted where Hydra reads a string back (a path, ROMEO:), not a number, true or null.
+    literal = value.lower() in ("true", "false", "null", "inf", "nan")
+    if re.fullmatch(r"[A-Za-z_/.][A-Za-z0-9_./:-]*", value) and not literal:
         return f"{key}={value}"
-    escaped = re.sub(r'(\\+)(?="|$)', lambda run: run.group(1) * 2, value)
+    escaped = re.sub(r'(\\+)(?="|\$\{|$)', lambda run: run.group(1) * 2, value)
     escaped = escaped.replace('"', '\\"').replace("${", "\\${")
     return shlex.quote(f'{key}="{escaped}"')
