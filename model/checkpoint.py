@@ -10,6 +10,8 @@ tokenizer's files, which other tools read."""
 import json
 import os
 import pickle
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +41,28 @@ def load_safely(
     """torch.load with weights_only=True: tensors and plain data only, so a checkpoint from a
     stranger cannot run code. A truncated, foreign or malicious file is a ValueError naming it.
     mmap=True maps the tensors' bytes instead of reading them (only what is used is read)."""
+    if Path(path).is_file() and not zipfile.is_zipfile(path):
+        # Read as pickle opcodes, any other bytes (a text file) fail inside torch's unpickler
+        # with whatever error those opcodes meet: KeyError, IndexError, struct.error...
+        raise ValueError(
+            f"{path} is not a readable tinyformer checkpoint (not the zip archive torch.save "
+            "writes); point at a .ckpt written by train.py"
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise
-    # KeyError: a text file's bytes read as pickle opcodes can fetch a memo entry that was never
-    # stored (`hi` is BINGET of entry 105).
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError) as error:
+    # KeyError, IndexError, struct.error: a damaged archive's pickle fails as other bytes do
+    except (
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        OSError,
+        ValueError,
+        KeyError,
+        IndexError,
+        struct.error,
+    ) as error:
         first_line = str(error).splitlines()[0] if str(error) else "truncated or foreign file"
         raise ValueError(
             f"{path} is not a readable tinyformer checkpoint ({type(error).__name__}: "
@@ -106,16 +123,19 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
 
 def best_checkpoint(folder: Path) -> Path | None:
     """The run's best*.ckpt of the lowest validation loss: the only one (save_top_k=1, the
-    default), or, of several, the one that the newest names as the best in its checkpoint
+    default), or, of several, the one that the latest names as the best in its checkpoint
     callback's record (written as the top k last changed, so it knows them all). By name in
     `folder`: the record's paths are those of the run's directory when it wrote them."""
-    saved = sorted(folder.glob("best*.ckpt"), key=lambda p: p.stat().st_mtime)
+    saved = list(folder.glob("best*.ckpt"))
     if len(saved) < 2:
-        return saved[-1] if saved else None
-    callbacks = load_safely(saved[-1], mmap=True).get("callbacks", {})
+        return saved[0] if saved else None
+    # The newest by step, not by file time, which a copy of the folder reorders.
+    checkpoints = {path: load_safely(path, mmap=True) for path in saved}
+    newest = max(saved, key=lambda path: checkpoints[path].get("global_step", 0))
+    callbacks = checkpoints[newest].get("callbacks", {})
     records = [r for r in callbacks.values() if isinstance(r, dict) and "best_model_path" in r]
-    best = folder / Path(records[0]["best_model_path"]).name if records else saved[-1]
-    return best if best.is_file() else saved[-1]
+    best = folder / Path(records[0]["best_model_path"]).name if records else newest
+    return best if best.is_file() else newest
 
 
 def load_checkpoint(path: Path) -> tuple[GPT | EncoderDecoder, dict]:
