@@ -46,7 +46,6 @@ from training.precision import fast_precision
 from training.resume import (
     ResumeState,
     StopSignals,
-    discard_command_record,
     hydra_record_dir,
     override_key,
     refused_leaves_no_record,
@@ -176,8 +175,7 @@ def fit(cfg: DictConfig) -> float | None:
     started = time.perf_counter()
     with refused_leaves_no_record():
         plan = check_options(cfg)
-        if plan.resume.complete:
-            discard_command_record()
+        if plan.resume.says_nothing_to_train():
             return None
         datamodule = instantiate_checked(plan.cfg.data)
         trainer, stop = build_trainer(plan)

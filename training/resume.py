@@ -163,6 +163,18 @@ class Resume:
             self.checkpoint["global_step"] == self.cfg.trainer.get("max_steps")
         )
 
+    def says_nothing_to_train(self) -> bool:
+        """Whether the run is complete: if so, say so, and leave no record of this command (a
+        finished pre-emptible job's command, repeated, changes nothing)."""
+        if not self.complete:
+            return False
+        discard_command_record()
+        print_once(
+            f"ckpt_path={self.path} is at trainer.max_steps={self.cfg.trainer.max_steps} "
+            "already: nothing to train (give a larger trainer.max_steps to train on)"
+        )
+        return True
+
     @property
     def saved_tokenizer(self) -> dict | None:
         return self.checkpoint["hyper_parameters"]["tokenizer"] if self.checkpoint else None
@@ -260,17 +272,13 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
             f"ckpt_path={path} is at step {step}, past trainer.max_steps={max_steps}: give a "
             f"larger trainer.max_steps to train on"
         )
-    if step == max_steps:
-        print_once(
-            f"ckpt_path={path} is at trainer.max_steps={max_steps} already: nothing to train "
-            "(give a larger trainer.max_steps to train on)"
-        )
-    else:
+    resume = Resume(cfg, overrides, path, checkpoint)
+    if not resume.complete:  # train.py says there is nothing to train once every check passed
         print_once(
             f"resuming from {path} at step {step}"
             + (f" with that run's overrides: {' '.join(overrides)}" if overrides else "")
         )
-    return Resume(cfg, overrides, path, checkpoint)
+    return resume
 
 
 def check_run_dir_holds(checkpoint: Path, run_dir: Path) -> None:
