@@ -14,7 +14,7 @@ directory). The checkpoint carries the model and its tokenizer; Lightning and W&
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
 
@@ -330,7 +330,8 @@ def report(result: dict, out: Path) -> None:
 
 def run(cfg: DictConfig) -> dict:
     # `+foo=1` adds a key nothing reads
-    check_known(cfg, ["ckpt", "batch_size", "device", "out", "paths", "data"], "", "evaluate.py")
+    options = ["ckpt", "device", *(field.name for field in fields(EvalConfig)), "paths", "data"]
+    check_known(cfg, options, "", "evaluate.py")
     options = EvalConfig(batch_size=cfg.batch_size, out=cfg.out)  # before anything is loaded
     device = pick_device(cfg.device)
     checkpoint = find_checkpoint(cfg.ckpt, "best", "ckpt")

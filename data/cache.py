@@ -278,8 +278,9 @@ class CachedDataModule(L.LightningDataModule):
         """(epoch, batch of it) where the training loader starts: a fresh run at the beginning,
         a resumed one where its checkpoint says, and one from a checkpoint older than that
         record where its step says (exact without accumulation or shortened epochs)."""
-        if self._resume_at is not None:
-            return self._resume_at["epoch"], self._resume_at["batch"]
+        if self._resume_at is not None:  # once: a loader made again later starts afresh
+            position, self._resume_at = self._resume_at, None
+            return position["epoch"], position["batch"]
         trainer = self.trainer
         return 0, trainer.global_step * trainer.accumulate_grad_batches if trainer else 0
 

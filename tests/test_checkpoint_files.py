@@ -268,24 +268,25 @@ def test_without_background_a_failed_save_fails_at_once(tmp_path):
 def test_of_several_best_checkpoints_a_run_directory_gives_the_one_its_record_names(
     tmp_path, trained_run
 ):
-    # save_top_k=2: the newest best*.ckpt is the second best, and its checkpoint callback's
+    # save_top_k=2: the latest best*.ckpt is the second best, and its checkpoint callback's
     # record (Lightning's own, as the trained run wrote it) names the best, in the run's
-    # directory of the time.
+    # directory of the time. Latest by step: a copied folder's file times say nothing.
     (real,) = (trained_run / "checkpoints").glob("best*.ckpt")
     folder = tmp_path / "run" / "checkpoints"
     folder.mkdir(parents=True)
     best, second = folder / "best-step20.ckpt", folder / "best-step40.ckpt"
     shutil.copyfile(real, best)
     checkpoint = torch.load(real, weights_only=True)
+    checkpoint["global_step"] += 20
     (record,) = [r for r in checkpoint["callbacks"].values() if "best_model_path" in r]
     record["best_model_path"] = f"/where/it/ran/checkpoints/{best.name}"
     torch.save(checkpoint, second)
-    os.utime(best, (1, 1))  # the older
+    os.utime(second, (1, 1))  # the older file all the same
     assert find_checkpoint(tmp_path / "run", "best", "ckpt") == best
     record["best_model_path"] = f"/where/it/ran/checkpoints/{second.name}"
     torch.save(checkpoint, second)
     assert find_checkpoint(tmp_path / "run", "best", "ckpt") == second
-    # A record naming a file that is gone: the newest.
+    # A record naming a file that is gone: the latest.
     record["best_model_path"] = "/where/it/ran/checkpoints/best-step60.ckpt"
     torch.save(checkpoint, second)
     assert find_checkpoint(folder, "best", "ckpt") == second

@@ -95,8 +95,8 @@ def check_data_follows_model(model: DictConfig, data: DictConfig) -> None:
     """The lengths the data and the model share (configs/data/ take the model's): a block
     shorter than the model's would leave its later positions untrained without a word, and a
     longer one cannot go through it."""
-    for key in sorted(set(model) & set(data) - {"_target_"}):
-        if data[key] != model[key]:
+    for key in ("block_size", "max_source_len", "max_target_len"):
+        if key in data and key in model and data[key] != model[key]:
             raise ValueError(
                 f"data.{key}={data[key]} differs from model.{key}={model[key]}: drop "
                 f"data.{key} (it follows model.{key}), or set model.{key}={data[key]}"
