@@ -330,8 +330,8 @@ def report(result: dict, out: Path) -> None:
 
 def run(cfg: DictConfig) -> dict:
     # `+foo=1` adds a key nothing reads
-    options = ["ckpt", "device", *(field.name for field in fields(EvalConfig)), "paths", "data"]
-    check_known(cfg, options, "", "evaluate.py")
+    names = ["ckpt", "device", *(field.name for field in fields(EvalConfig)), "paths", "data"]
+    check_known(cfg, names, "", "evaluate.py")
     options = EvalConfig(batch_size=cfg.batch_size, out=cfg.out)  # before anything is loaded
     device = pick_device(cfg.device)
     checkpoint = find_checkpoint(cfg.ckpt, "best", "ckpt")
