@@ -145,7 +145,7 @@ CASES = [
     ("unknown_generate_key", "generate.py", ["ckpt={run}", "+foo=1"],
      "error: foo is not an option of generate.py; its options are ckpt, device, prompt, "),
     ("unknown_evaluate_key", "evaluate.py", ["ckpt={run}", "+foo=1"],
-     "error: foo is not an option of evaluate.py; its options are ckpt, batch_size, "),
+     "error: foo is not an option of evaluate.py; its options are ckpt, device, batch_size, "),
     ("unknown_export_key", "export.py", ["ckpt={run}", "out={tmp}/export", "+foo=1"],
      "error: foo is not an option of export.py; its options are "),
     ("zero_temperature", "generate.py", ["ckpt={run}", "temperature=0"],
