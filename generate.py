@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import tokenizer_from_dict
-from errors import USER_ERRORS, check_field_types, check_known, exit_on_user_error
+from errors import USER_ERRORS, check, check_field_types, check_known, exit_on_user_error
 from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
 from model.figures import plot_heads
@@ -32,6 +32,10 @@ from model.sampling import SEPARATOR, SamplingConfig, encode, stream_samples
 
 if TYPE_CHECKING:  # matplotlib loads when a figure is drawn
     from matplotlib.figure import Figure
+
+
+# What attention_plot= may be saved as (matplotlib's formats, those through Pillow included).
+FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")
 
 
 @dataclass
@@ -58,6 +62,15 @@ class Inputs:
                 f"prompt={self.prompt!r} and prompt_file={self.prompt_file} both give the "
                 "prompt: keep one"
             )
+        if self.attention_plot is not None:  # checked now, not after the decoding
+            suffix = Path(self.attention_plot).suffix.lower().removeprefix(".")
+            formats = ", ".join(f".{f}" for f in FIGURE_FORMATS)
+            check(
+                suffix in FIGURE_FORMATS,
+                "attention_plot",
+                f"an image path ending in {formats}",
+                self.attention_plot,
+            )
         if not self.interactive:
             return
         for key in ("prompt", "prompt_file", "source"):
@@ -77,6 +90,8 @@ class Inputs:
         included); a newline when none is given."""
         if self.prompt_file is not None:
             path = Path(self.prompt_file).expanduser()
+            if path.is_dir():
+                raise ValueError(f"prompt_file={self.prompt_file} is a folder: give a text file")
             if not path.is_file():
                 raise FileNotFoundError(f"prompt_file={self.prompt_file}: no file at {path}")
             try:
