@@ -69,7 +69,7 @@ def check_int(key: str, value: object, minimum: int = 1, optional: bool = False)
 
 TYPE_NAMES = {
     int: "an integer",
-    float: "a number",
+    float: "a finite number",
     str: "a string",
     bool: "true or false",
     os.PathLike: "a path",

@@ -294,7 +294,7 @@ def test_unigram_loss_is_a_sane_baseline(dm):
         ({"cache_dir": 5}, "data.cache_dir must be a string or a path, got 5"),
         ({"tokenizer_file": 5}, "data.tokenizer_file must be a string or a path or null, got 5"),
         ({"source": "hub", "name": 5}, "data.name must be a string or null, got 5"),
-        ({"val_fraction": "x"}, "data.val_fraction must be a number, got 'x'"),
+        ({"val_fraction": "x"}, "data.val_fraction must be a finite number, got 'x'"),
     ],
 )
 def test_config_validation_names_the_key(kwargs, message):
