@@ -48,7 +48,9 @@ def is_int(value: object, minimum: int | None = None) -> bool:
 def is_number(value: object) -> bool:
     """An int or a finite float, never a bool: no option takes inf or nan (an infinite learning
     rate or attention scale would only end the run in NaN a step later)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return isinstance(value, int) or math.isfinite(value)  # an int of any size is finite
 
 
 def check(ok: bool, key: str, expected: str, value: object) -> None:
