@@ -7,7 +7,8 @@
   memory, computed once) and without them.
 
     python bench/generate_speed.py [--device cuda] [--repeats 5] \
-        [--cuda-graph [--compile-step] [--tokens-per-replay 8] [--versus-tokens-per-replay 1]]
+        [--cuda-graph [--compile-step] [--tokens-per-replay 8] [--versus-tokens-per-replay 1]] \
+        [--read-each-token]
 
 With --cuda-graph the GPT's cached side decodes through StaticDecoding (model/generation.py):
 on a GPU its steps are replays of CUDA graphs, each making --tokens-per-replay tokens (on the
@@ -16,6 +17,9 @@ cache); with --compile-step too (on a GPU), the graphs record the step's forward
 compiled (the warm-up run compiles it). Each run makes its own StaticDecoding, so its time
 includes the capture. --versus-tokens-per-replay adds a third side, the same graphs making that
 many tokens a replay: its row gives the speed-up of --tokens-per-replay's graphs over it.
+--read-each-token reads each GPT token on the host as it comes, as generate.py does to print
+it (the host then waits for the device once a token, or once a replay); without it a run reads
+its tokens at the end.
 
 The sides run alternately, a cached run, an uncached one (and the third side), `--repeats`
 rounds after a warm-up of each; a row gives two sides' median tokens/s and the median (min-max)
@@ -78,6 +82,7 @@ def gpt_speed(
     compile_step: bool,
     per_replay: int,
     versus: int | None = None,
+    read_each_token: bool = False,
 ) -> tuple[dict, int, bool]:
     """The rounds' figures ("cached", "uncached", and "versus": cached at `versus` tokens a
     replay, when given), the tokens a run makes, and whether all sides agree (on the first 255
@@ -101,6 +106,8 @@ def gpt_speed(
             tokens_per_replay=tokens_per_replay,
             greedy=True,
         )
+        if read_each_token:
+            return torch.tensor([step.tolist() for step in steps]).T
         return torch.stack(list(steps), dim=1)
 
     runs = {"cached": lambda: run(True), "uncached": lambda: run(False)}
@@ -166,6 +173,11 @@ def main() -> None:
         type=int,
         help="with --cuda-graph: a third side, the graphs making this many tokens a replay",
     )
+    parser.add_argument(
+        "--read-each-token",
+        action="store_true",
+        help="the GPT's tokens read on the host as they come, as generate.py prints them",
+    )
     args = parser.parse_args()
     if args.compile_step and (not args.cuda_graph or args.device == "cpu"):
         parser.error("--compile-step compiles the CUDA graphs' step: add --cuda-graph on a GPU")
@@ -181,12 +193,16 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     per_replay = args.tokens_per_replay
-    gpt = gpt_speed(device, args.repeats, args.cuda_graph, args.compile_step, per_replay, versus)
+    gpt = gpt_speed(
+        device, args.repeats, args.cuda_graph, args.compile_step, per_replay, versus,
+        args.read_each_token,
+    )  # fmt: skip
     graph = ""
     if args.cuda_graph:
         graph = f", cached side: StaticDecoding, {per_replay} tokens a replay"
         graph += ", compiled" if args.compile_step else ""
     name = f"GPT 6x384, block 256, {NEW_TOKENS} new tokens"
+    name += ", each read as it comes" if args.read_each_token else ""
     print(row(f"{name}: cached / uncached{graph}", gpt, "cached", "uncached"))
     if versus is not None:
         compiled = ", compiled" if args.compile_step else ""

@@ -8,11 +8,13 @@
 #
 #   bash bench/gpu_checks.sh NANOGPT_DIR TEXT_DIR OUT_DIR [STEPS] [SECONDS]
 #
-# CHECKS: the checks to run, in order, from tests, vs_nanogpt, decode_graph, decode_compiled,
-# decode_kernels, muon_step and imports (default: all of them, then vs_nanogpt again). Issue 16
+# CHECKS: the checks to run, in order, from tests, vs_nanogpt, decode_graph, decode_streamed,
+# decode_compiled, decode_kernels, muon_step and imports (default: all of them, then vs_nanogpt
+# again). Issue 16
 # asks for the nanoGPT comparison first and last in a lease: the second run of it, logged as
 # vs_nanogpt_2, shows how far the machine itself moved in between. A vs_nanogpt run gets what is
-# left of SECONDS less the usual seconds of the checks after it (at least 120).
+# left of SECONDS less the usual seconds of the checks after it (at least 120): on an H200 one at
+# 2000 steps took about 150 s with the compile caches warm, and over 184 s on a fresh machine.
 #
 # STEPS: the nanoGPT recipe's steps (default 5000, its own); SECONDS: the whole script's budget
 # (default 1800). TESTS: the test files to run (default: every one with CUDA tests). OWN: our own
@@ -32,12 +34,12 @@
 set -u
 nanogpt=$1 text=$2 out=$3 steps=${4:-5000} budget=${5:-1800}
 python=${PYTHON:-python3}
-checks=${CHECKS:-tests vs_nanogpt decode_graph decode_compiled decode_kernels muon_step imports
-    vs_nanogpt}
+checks=${CHECKS:-tests vs_nanogpt decode_graph decode_streamed decode_compiled decode_kernels
+    muon_step imports vs_nanogpt}
 export PYTHONUNBUFFERED=1
 # what each check usually takes on an H100, in seconds (vs_nanogpt: a second run, caches warm)
-declare -A usual=([tests]=120 [vs_nanogpt]=150 [decode_graph]=60 [decode_compiled]=110
-    [decode_kernels]=40 [muon_step]=15 [imports]=40)
+declare -A usual=([tests]=120 [vs_nanogpt]=150 [decode_graph]=60 [decode_streamed]=60
+    [decode_compiled]=110 [decode_kernels]=40 [muon_step]=15 [imports]=40)
 read -r -a queue <<<"${checks//$'\n'/ }"
 for check in "${queue[@]}"; do
     if [[ -z ${usual[$check]:-} ]]; then
@@ -166,10 +168,16 @@ for ((i = 0; i < ${#queue[@]}; i++)); do
         run_vs_nanogpt "$name" "$left" || failed=1
         ;;
     # Decoding with CUDA graphs of 8 tokens a replay (generate.py's default) and of 1, in the
-    # same rounds, their step plain and compiled
+    # same rounds, their step plain and compiled; and plain, each token read as it comes (as
+    # generate.py prints it)
     decode_graph)
         step 75 decode_graph "$python" bench/generate_speed.py --device cuda --repeats 5 \
             --cuda-graph --tokens-per-replay 8 --versus-tokens-per-replay 1 || failed=1
+        ;;
+    decode_streamed)
+        step 75 decode_streamed "$python" bench/generate_speed.py --device cuda --repeats 5 \
+            --cuda-graph --tokens-per-replay 8 --versus-tokens-per-replay 1 --read-each-token ||
+            failed=1
         ;;
     decode_compiled)
         step 150 decode_compiled "$python" bench/generate_speed.py --device cuda --repeats 5 \
