@@ -45,48 +45,11 @@ from errors import (
     config_from,
     exit_on_user_error,
 )
+from kinds import KINDS, ModelKind
 from model.checkpoint import EXPORT_CONFIG, find_checkpoint, is_export, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
 from model.gpt import GPT
-
-
-@dataclass(frozen=True)
-class KindData:
-    """What evaluate.py reads for one kind of model."""
-
-    name: str  # in messages
-    target: str  # the DataModule that this kind's configs/data/*.yaml name
-    options: type  # the data options' class
-    fits: str  # the data= choices for it, in messages
-    lengths: tuple[str, ...]  # the model's length limits, which its data shares
-    # The data scored when no data= is chosen, and the options of it that the checkpoint's run
-    # fixed when it trained on that data too: those that decide the validation text, so that
-    # the text scored is the text it validated on.
-    default: dict
-    kept: tuple[str, ...]
-
-
-KINDS = {
-    "gpt": KindData(
-        "a GPT",
-        "data.lm.LMDataModule",
-        LMDataConfig,
-        "data=text_files or data=hub",
-        ("block_size",),
-        {"source": "shakespeare"},
-        ("val_fraction",),
-    ),
-    "encdec": KindData(
-        "an encoder-decoder",
-        "data.seq2seq.Seq2SeqDataModule",
-        Seq2SeqDataConfig,
-        "data=pairs",
-        ("max_source_len", "max_target_len"),
-        {"task": "denoise"},
-        ("val_fraction", "corruption", "noise_rate", "mean_span", "seed"),
-    ),
-}
 
 # The table's rows after the checkpoint and the data: (label, result key, format).
 ROWS = (
@@ -116,7 +79,7 @@ class EvalConfig:
 
 
 def data_config(
-    cfg: DictConfig, kind: KindData, hparams: dict, shown: str
+    cfg: DictConfig, kind: ModelKind, hparams: dict, shown: str
 ) -> LMDataConfig | Seq2SeqDataConfig:
     """The checked data options: data=<choice>'s, with the data configs' interpolations of
     model.* filled from the checkpoint's model, or the kind's default data. `shown` names the
@@ -124,10 +87,10 @@ def data_config(
     choice = HydraConfig.get().runtime.choices.get("data")
     node = cfg.get("data")
     given_target = node.get("_target_") if node is not None else None
-    if given_target is not None and given_target != kind.target:
+    if given_target is not None and given_target != kind.datamodule:
         raise ValueError(
-            f"data={choice} is data for the other kind of model and {shown} is {kind.name}: "
-            f"score it on {kind.fits}, or leave data= out for its validation split"
+            f"data={choice} is data for the other kind of model and {shown} is {kind.label}: "
+            f"score it on {kind.eval_data_choices}, or leave data= out for its validation split"
         )
     with open_dict(cfg):
         cfg.model = hparams["model"]  # what ${model.block_size} and the like read
@@ -135,16 +98,16 @@ def data_config(
     options.pop("_target_", None)
     if choice is None:
         run_data = (hparams.get("run_config") or {}).get("data") or {}
-        trained_on_it = all(run_data.get(key) == value for key, value in kind.default.items())
+        trained_on_it = all(run_data.get(key) == value for key, value in kind.eval_default.items())
         options = {
-            **kind.default,
-            **{key: run_data[key] for key in kind.kept if trained_on_it and key in run_data},
+            **kind.eval_default,
+            **{key: run_data[key] for key in kind.eval_kept if trained_on_it and key in run_data},
             **{key: hparams["model"][key] for key in kind.lengths},
             "cache_dir": cfg.paths.cache_dir,
             **options,  # +data.key=value on the command line
         }
     which = f"data={choice}" if choice else "the default data"
-    config = config_from(kind.options, options, "data.", which)
+    config = config_from(kind.data_options, options, "data.", which)
     for key in kind.lengths:  # positions beyond the model's were never trained
         given, limit = getattr(config, key), hparams["model"][key]
         if given > limit:

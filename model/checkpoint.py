@@ -23,7 +23,8 @@ from model.encdec import EncDecConfig, EncoderDecoder
 from model.gpt import GPT, GPTConfig
 from model.hf_gpt2 import from_gpt2
 
-# The networks by the kind name a checkpoint records: (config class, network class).
+# The networks by the kind name a checkpoint records: (config class, network class). The rest
+# of each kind (what trains it, its data) is its row in kinds.py.
 MODELS = {"gpt": (GPTConfig, GPT), "encdec": (EncDecConfig, EncoderDecoder)}
 
 

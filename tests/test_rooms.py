@@ -1,8 +1,9 @@
 """The house's doors run one way: train.py -> training/ -> model/ and data/; generate.py and
 export.py -> model/ and the tokenizer; evaluate.py -> model/ and data/'s plain modules. model/
 is plain PyTorch, model/ and data/ never import each other, and no room imports an entry point.
-Checked in a fresh interpreter, where nothing else has imported anything yet. (errors.py, plain
-Python, is shared by every room.)"""
+Checked in a fresh interpreter, where nothing else has imported anything yet. (Two plain Python
+modules sit beside the rooms: errors.py, which every room shares, and kinds.py, the table of
+model kinds that training/ and evaluate.py share.)"""
 
 import subprocess
 import sys
@@ -71,3 +72,25 @@ def test_evaluate_loads_neither_lightning_nor_wandb():
     loaded = loaded_after("import evaluate")
     assert not loaded & {"lightning", "pytorch_lightning", "wandb", "datasets", "training"}
     assert not loaded & {"data.lm", "data.seq2seq", "data.cache"}
+
+
+def test_the_table_of_kinds_names_every_model_and_data_config():
+    """kinds.py names its LightningModules and DataModules by import path (evaluate.py reads it
+    without Lightning): each path is a real class of the right kind, every model kind has a row,
+    and every data config feeds one of them."""
+    from hydra.utils import get_class
+    from lightning import LightningDataModule
+    from omegaconf import OmegaConf
+
+    from kinds import KINDS
+    from model.checkpoint import MODELS
+    from training.module import TrainingModule
+
+    assert set(KINDS) == set(MODELS)
+    for kind in KINDS.values():
+        assert issubclass(get_class(kind.module), TrainingModule)
+        datamodule = get_class(kind.datamodule)
+        assert issubclass(datamodule, LightningDataModule)
+        assert all(key in kind.data_options.__dataclass_fields__ for key in kind.lengths)
+    targets = {OmegaConf.load(p)["_target_"] for p in (ROOT / "configs" / "data").glob("*.yaml")}
+    assert targets == {kind.datamodule for kind in KINDS.values()}

@@ -5,16 +5,17 @@ import dataclasses
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from errors import check, check_int, config_from, is_int, is_number
+from kinds import ModelKind, kind_of
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
 from training.errors import instantiate_checked
 from training.guard import check_nonfinite_action
-from training.kinds import ModelKind, check_fits_data, kind_of
-from training.module import OptimConfig
+from training.module import OptimConfig, TrainingModule
 from training.resume import Resume, override_key, prepare_resume
 from training.sweep import in_sweep
 
@@ -49,6 +50,11 @@ class Plan:
     def run_dir(self) -> str:
         return self.resume.cfg.paths.output_dir
 
+    @property
+    def module_class(self) -> type[TrainingModule]:
+        """The LightningModule that trains this kind of model."""
+        return get_class(self.kind.module)
+
 
 def check_options(cfg: DictConfig) -> Plan:
     """Every option a user can get wrong, before any data loads; given ckpt_path, the config is
@@ -79,7 +85,7 @@ def check_options(cfg: DictConfig) -> Plan:
     check_trainer_options(cfg.trainer)
     kind = kind_of(cfg.model)
     check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
-    check_data_follows_model(cfg.model, cfg.data)
+    check_data_follows_model(kind, cfg.model, cfg.data)
     if kind.name == "encdec":
         check_no_sample_options(resume.overrides)
     return Plan(
@@ -91,11 +97,22 @@ def check_options(cfg: DictConfig) -> Plan:
     )
 
 
-def check_data_follows_model(model: DictConfig, data: DictConfig) -> None:
+def check_fits_data(kind: ModelKind, data: DictConfig, choices: dict) -> None:
+    """Before the data config is instantiated: its interpolations may name keys that only the
+    fitting model has (a character GPT's data reads model.block_size). `choices` are Hydra's
+    runtime choices, for the message."""
+    if data.get("_target_") != kind.datamodule:
+        raise ValueError(
+            f"model={choices.get('model')} cannot train on data={choices.get('data')}: use "
+            f"{kind.data_choices}"
+        )
+
+
+def check_data_follows_model(kind: ModelKind, model: DictConfig, data: DictConfig) -> None:
     """The lengths the data and the model share (configs/data/ take the model's): a block
     shorter than the model's would leave its later positions untrained without a word, and a
     longer one cannot go through it."""
-    for key in ("block_size", "max_source_len", "max_target_len"):
+    for key in kind.lengths:
         if key in data and key in model and data[key] != model[key]:
             raise ValueError(
                 f"data.{key}={data[key]} differs from model.{key}={model[key]}: drop "

@@ -32,9 +32,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import BPETokenizer, CharTokenizer
+from kinds import kind_of
 from model.checkpoint import find_checkpoint, load_safely
 from training.errors import TRAIN_ERRORS
-from training.kinds import kind_of
 from training.summary import print_once
 
 # Settings a resumed run may not change: they decide what the restored state means.
