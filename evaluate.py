@@ -46,7 +46,14 @@ from errors import (
     exit_on_user_error,
 )
 from kinds import KINDS, ModelKind
-from model.checkpoint import EXPORT_CONFIG, find_checkpoint, is_export, load_checkpoint, pick_device
+from model.checkpoint import (
+    EXPORT_CONFIG,
+    find_checkpoint,
+    is_export,
+    load_checkpoint,
+    pick_device,
+    run_dir_of,
+)
 from model.encdec import EncoderDecoder
 from model.generation import decode_greedy_or_sample, decoding_ids
 from model.gpt import GPT
@@ -220,8 +227,7 @@ def default_out(checkpoint: Path, name: str) -> Path:
     """eval_<name>.json in the checkpoint's run directory: above its checkpoints/ folder, else
     the folder holding it (an export is a folder itself)."""
     folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    folder = folder.parent if folder.name == "checkpoints" else folder
-    return folder / f"eval_{name}.json"
+    return (run_dir_of(folder) or folder) / f"eval_{name}.json"
 
 
 # The keys every result of evaluate.py holds: an existing out= file with them may be replaced.
@@ -250,7 +256,7 @@ def check_out(out: Path, shown: str) -> None:
             f"{shown} is a directory: give a .json file's path, e.g. out={out / 'eval.json'}"
         )
     folder = out.absolute().parent  # out=x.json given inside a checkpoints/ folder too
-    if folder.name == "checkpoints":
+    if run_dir_of(folder) not in (None, folder):
         raise ValueError(
             f"{shown} lies in a run's checkpoints/ folder, which holds its checkpoints only: "
             "leave out= out to write eval_<data>.json in the run directory, or give a .json "

@@ -32,6 +32,7 @@ from model.checkpoint import (
     find_checkpoint,
     is_export,
     load_checkpoint,
+    run_dir_of,
 )
 from model.encdec import EncoderDecoder
 from model.gpt import GPT
@@ -81,11 +82,6 @@ def holds_export(folder: Path) -> bool:
     return True
 
 
-def is_run_dir(folder: Path) -> bool:
-    """Whether `folder` is a run's directory, as train.py makes one."""
-    return (folder / "checkpoints").is_dir() or (folder / ".hydra").is_dir()
-
-
 def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
     """Refuse an `out` where the export would lose saved files, or that cannot be written."""
     if out.exists() and not out.is_dir():
@@ -94,8 +90,8 @@ def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
         raise ValueError(f"out={out} holds the checkpoint it exports ({checkpoint}): give another")
     # Any run's, whatever overwrite says: its tokenizer files would be replaced, and resuming
     # it would find an export where a run should be.
-    run = out.parent if out.name == "checkpoints" and is_run_dir(out.parent) else out
-    if is_run_dir(run):
+    run = run_dir_of(out)
+    if run is not None:
         what = "a run's directory" if run == out else "a run's checkpoints/ folder"
         raise ValueError(
             f"out={out} is {what}, whose files an export would replace: give a new directory, "

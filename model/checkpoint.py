@@ -91,6 +91,16 @@ def is_export(path: Path) -> bool:
     return (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file()
 
 
+def run_dir_of(folder: Path) -> Path | None:
+    """The run directory (as train.py makes one) that `folder` is, or whose checkpoints/ folder
+    it is; None if neither. Where evaluate.py and export.py write, a run's files could be lost."""
+    if folder.name == "checkpoints" and folder.is_dir():
+        return folder.parent
+    if (folder / "checkpoints").is_dir() or (folder / ".hydra").is_dir():
+        return folder
+    return None
+
+
 def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
     """The checkpoint that `given` (the value of the command's option `key`) names, by one rule:
     a file is itself; an export directory is itself; a run directory, or its checkpoints/
