@@ -130,9 +130,15 @@ def _as_numbers(values: list[str]) -> list[float] | None:
     return numbers if all(math.isfinite(n) for n in numbers) else None
 
 
+def validated(jobs: list[dict]) -> list[dict]:
+    """The completed jobs with a best validation loss (a run that never validated has none:
+    trainer.limit_val_batches=0, say)."""
+    return [j for j in jobs if j["status"] == "completed" and j.get("best_val_loss") is not None]
+
+
 def plot_loss_vs_values(jobs: list[dict], swept: list[str], path: Path) -> None:
-    """Best val loss against each swept key: one panel per key, failed jobs left out."""
-    done = [job for job in jobs if job["status"] == "completed"]
+    """Best val loss against each swept key: one panel per key, of the validated jobs."""
+    done = validated(jobs)
     keys = swept or ["job"]
     figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
@@ -254,15 +260,12 @@ def report(sweep_dir: Path, to_wandb: bool = False) -> str:
         "write to and report on the copy",
     )
     swept = swept_keys(jobs)
-    plots = [sweep_dir / "val_loss.png", sweep_dir / "loss_curves.png"]
-    completed = [job for job in jobs if job["status"] == "completed"]
-    if completed:
-        writers = {
-            plots[0]: partial(plot_loss_vs_values, jobs, swept),
-            plots[1]: partial(plot_loss_curves, jobs, swept),
-        }
-    else:
-        plots, writers = [], {}
+    writers = {}
+    if validated(jobs):
+        writers[sweep_dir / "val_loss.png"] = partial(plot_loss_vs_values, jobs, swept)
+    if any(job["status"] == "completed" for job in jobs):
+        writers[sweep_dir / "loss_curves.png"] = partial(plot_loss_curves, jobs, swept)
+    plots = list(writers)
     fixed = ", ".join(f"`{o}`" for o in fixed_overrides(jobs, swept)) or "none"
     text = f"# Sweep {sweep_dir}\n\nCommon overrides: {fixed}\n\n"
     text += markdown_table(jobs, swept) + "\n" + optuna_best(sweep_dir)

@@ -252,6 +252,27 @@ def test_report_lists_a_job_whose_summary_cannot_be_read_and_reports_the_others(
         assert (sweep / plot).stat().st_size > 10_000
 
 
+def test_report_plots_the_best_losses_there_are(tmp_path):
+    """A completed job that never validated (trainer.limit_val_batches=0) has no best loss: its
+    row says so, and the plot of best losses shows the other jobs, or is not made at all."""
+    sweep = sweep_of(tmp_path / "sweep", 3)
+    for job in ("1", "2"):
+        summary = json.loads((sweep / job / "summary.json").read_text())
+        (sweep / job / "summary.json").write_text(json.dumps(summary | {"best_val_loss": None}))
+    result = report_command(sweep, tmp_path / "cache")
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 1 |")]
+    assert rows == ["| 1 | 2 | completed | – | – | – | – | – | – | – | – |"]
+    assert (sweep / "val_loss.png").stat().st_size > 10_000
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    (sweep / "0" / "summary.json").write_text(json.dumps(summary | {"best_val_loss": None}))
+    (sweep / "val_loss.png").unlink()
+    result = report_command(sweep, tmp_path / "cache")
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+    assert not (sweep / "val_loss.png").exists() and "val_loss" not in result.stdout
+    assert (sweep / "loss_curves.png").stat().st_size > 10_000
+
+
 def test_report_on_a_read_only_sweep_is_one_line(tmp_path):
     sweep = sweep_of(tmp_path / "sweep", 2)
     with read_only(sweep):
