@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from data import sampler as sampler_module
-from data.sampler import RankShard, ResumableShuffle
+from data.sampler import (
+    SEED_PLUS_EPOCH,
+    SEED_STREAM,
+    RankShard,
+    ResumableLoader,
+    ResumableShuffle,
+)
 
 
 def batches_of(order: list[int], size: int) -> list[list[int]]:
@@ -34,9 +40,12 @@ def test_an_epoch_and_a_batch_in_it_start_where_the_same_count_of_batches_does()
 
 
 def test_the_order_is_the_seeded_permutation_whatever_the_chunks(monkeypatch):
-    # A checkpoint's run resumes with the batches it was promised, which these are: the epoch's
-    # permutation of torch.randperm, handed over in chunks of any size.
-    permutation = torch.randperm(103, generator=torch.Generator().manual_seed(7 + 1)).tolist()
+    # A checkpoint's run resumes with the batches it was promised, which these are: the epochs'
+    # permutations of torch.randperm, one after another from a generator seeded with the seed,
+    # handed over in chunks of any size.
+    stream = torch.Generator().manual_seed(7)
+    torch.randperm(103, generator=stream)  # epoch 0's
+    permutation = torch.randperm(103, generator=stream).tolist()  # epoch 1's
     whole_chunks = batches(ResumableShuffle(103, batch_size=4, seed=7, start_batch=26), 1)
     assert whole_chunks == batches_of(permutation[4:100], 4)
     monkeypatch.setattr(sampler_module, "INDICES_PER_CHUNK", 7)  # boundaries inside batches
@@ -52,6 +61,55 @@ def test_each_epoch_and_seed_has_its_own_permutation():
     assert first != second and first != other_seed
     epoch = [i for batch in batches(ResumableShuffle(100, batch_size=10, seed=1), 1) for i in batch]
     assert sorted(epoch) == list(range(100))
+
+
+def test_no_two_seeds_or_epochs_share_an_order():
+    # Drawn from seed + epoch, seed 1's epoch 0 was seed 0's epoch 1: a seed sweep's runs
+    # trained on shifted copies of one another's orders.
+    orders = {}
+    for seed in range(5):
+        epochs = batches(ResumableShuffle(100, batch_size=100, seed=seed), epochs=5)
+        orders |= {(seed, epoch): tuple(order) for epoch, order in enumerate(epochs)}
+    assert orders[0, 1] != orders[1, 0] and orders[3, 2] != orders[4, 1]
+    assert len(set(orders.values())) == len(orders) == 25
+
+
+def loader(sampler: ResumableShuffle) -> ResumableLoader:
+    return ResumableLoader(range(sampler.size), sampler.batch_size, sampler=sampler)
+
+
+def test_a_resumed_loader_continues_the_order_its_state_records():
+    straight = loader(ResumableShuffle(103, batch_size=4, seed=7))
+    state = straight.state_dict()
+    assert state == {"seed": 7, "batches_per_epoch": 25, "draw": SEED_STREAM}
+    resumed = loader(ResumableShuffle(103, batch_size=4, seed=7, start_batch=5, start_epoch=1))
+    resumed.load_state_dict(state)  # as Lightning does, before the first batch
+    assert batches(resumed.sampler, 2) == batches(straight.sampler, 3)[25 + 5 :]
+    assert resumed.state_dict() == state
+
+
+def test_a_checkpoint_without_the_draw_record_resumes_on_its_seed_plus_epoch_orders():
+    # What the loader saved until the draw was recorded: its orders came from seed + epoch.
+    old_state = {"seed": 7, "batches_per_epoch": 25}
+    old_orders = [
+        torch.randperm(103, generator=torch.Generator().manual_seed(7 + e)) for e in (1, 2)
+    ]
+    old_batches = [b for order in old_orders for b in batches_of(order[:100].tolist(), 4)]
+    resumed = loader(ResumableShuffle(103, batch_size=4, seed=7, start_batch=5, start_epoch=1))
+    resumed.load_state_dict(old_state)
+    assert batches(resumed.sampler, 2) == old_batches[5:]
+    # Its next checkpoints record that draw; a new run of that seed draws other orders.
+    assert resumed.state_dict() == old_state | {"draw": SEED_PLUS_EPOCH}
+    new_run = ResumableShuffle(103, batch_size=4, seed=7, start_batch=5, start_epoch=1)
+    assert batches(new_run, 2) != old_batches[5:]
+
+
+def test_a_checkpoint_of_another_seed_or_an_unknown_draw_is_refused():
+    state = loader(ResumableShuffle(103, batch_size=4, seed=7)).state_dict()
+    with pytest.raises(ValueError, match="resume with the seed, data and data.batch_size"):
+        loader(ResumableShuffle(103, batch_size=4, seed=8)).load_state_dict(state)
+    with pytest.raises(ValueError, match="drawn in a way this code does not know .draw=3."):
+        loader(ResumableShuffle(103, batch_size=4, seed=7)).load_state_dict(state | {"draw": 3})
 
 
 def test_length_is_a_whole_epoch_even_when_resuming_into_one():
