@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.sampler import SEED_STREAM
 from helpers import (
     SMALLEST,
     checkpoint_before_the_join,
@@ -198,10 +199,17 @@ def batches_trained(run_dir: Path) -> list[tuple]:
     return [(row["step"], tuple(row["examples"])) for row in map(json.loads, lines)]
 
 
+def loader_states(run_dir: Path) -> list[dict]:
+    """What the training loader saved in the run's last checkpoint: what its order is."""
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    return checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+
+
 @pytest.mark.slow
 def test_a_run_accumulating_over_shortened_epochs_resumes_on_the_same_batches(tmp_path, cache):
     # Epochs of 7 batches in steps of 2: Lightning steps on each epoch's last batch alone, so
-    # 6 steps are 11 batches, not 12; the run stops in its second epoch and resumes.
+    # 6 steps are 11 batches, not 12; the run stops in its second epoch and resumes, drawing
+    # the first epoch's order again to reach the second's (a new run's draw, recorded).
     text = tmp_path / "words.txt"
     text.write_text(" ".join(f"word{i * 7 % 31}" for i in range(120)))
     run = [*SMALLEST, "data=text_files", f"data.paths=[{text}]", "callbacks=batch_log"]
@@ -212,6 +220,7 @@ def test_a_run_accumulating_over_shortened_epochs_resumes_on_the_same_batches(tm
         result = run_training(cache, *run, f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}")
         assert result.returncode == 0, result.stderr[-3000:]
     assert len(batches_trained(stopped)) == 11
+    assert [state["draw"] for state in loader_states(stopped)] == [SEED_STREAM]
     resumed = run_training(cache, f"ckpt_path={stopped}", "trainer.max_steps=14")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
