@@ -167,7 +167,8 @@ class OptunaSweeper(Sweeper):
         if study.trials and sampler.get("seed") is not None:
             # Resumed: seeded as at the start, the sampler would draw the first trials' values
             # again; seeded past them, a resumed search is as reproducible as a fresh one.
-            study.sampler = instantiate(sampler, seed=sampler.seed + len(study.trials))
+            seed = resumed_sampler_seed(sampler.seed, len(study.trials))
+            study.sampler = instantiate(sampler, seed=seed)
         retry_interrupted(study)
         failures = []
         for _ in range(self.n_trials - ended_trials(study)):
@@ -199,6 +200,17 @@ class OptunaSweeper(Sweeper):
         completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         if failures and not completed:
             raise RuntimeError(f"every trial failed; the first: {failures[0]}")
+
+
+def resumed_sampler_seed(seed: int, trials: int) -> int:
+    """The seed of a search's sampler resumed after `trials` trials: a hash of both numbers,
+    unrelated to other pairs' and to the seeds searches start from. Until 2026-11-27 it was
+    seed + trials, so a search of seed s resumed after one trial drew the values of a new search
+    of seed s + 1, correlating searches meant to be independent. 32 bits: what Optuna's samplers
+    take (numpy's RandomState)."""
+    import numpy as np  # only when a search resumes: Hydra imports this module at every start
+
+    return int(np.random.SeedSequence(seed, spawn_key=(trials,)).generate_state(1)[0])
 
 
 def retry_interrupted(study: Any) -> None:

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 
 import report
 from helpers import ROOT, SMALLEST_BASE, composed, read_only, run_script, small_disk
-from hydra_plugins.tinyformer_optuna import OptunaSweeper, dimension
+from hydra_plugins.tinyformer_optuna import OptunaSweeper, dimension, resumed_sampler_seed
 from wandb_offline import history, run_info
 
 # A sweep's job: the smallest run, whose heads and logger the tests choose, for 12 steps.
@@ -155,6 +155,13 @@ TRIAL += ["hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner"]
 TRIAL += ["~hydra.sweeper.pruner.n_startup_trials", "hydra.sweeper.pruner.n_warmup_steps=0"]
 TRIAL += ["+hydra.sweeper.pruner.upper=4.0"]
 GOOD, HOPELESS, INVALID = ("0.0", "0.01"), ("0.0", "1e-09"), ("1.5", "0.01")
+
+
+def test_a_resumed_searchs_sampler_seed_is_no_other_searchs():
+    # Seeded with seed + trials, search 1234 resumed after a trial drew what search 1235 draws.
+    seeds = [resumed_sampler_seed(seed, trials) for seed in range(1234, 1239) for trials in (1, 2)]
+    assert len(set(seeds)) == len(seeds) and not set(seeds) & set(range(1234, 1250))
+    assert all(0 <= seed < 2**32 for seed in seeds)  # what numpy's RandomState takes
 
 
 @pytest.mark.slow
