@@ -198,6 +198,26 @@ def test_token_accuracy_is_correct_tokens_over_all_scored_tokens(monkeypatch):
     assert validate(module, batches[1:], monkeypatch)["val/token_accuracy"] == pytest.approx(0.1)
 
 
+def test_a_validation_logs_the_metrics_its_task_declares(monkeypatch):
+    # validation_metrics is what train.py accepts as a checkpoint's `monitor`: a name logged but
+    # not declared could not be monitored, and one declared but not logged would fail the run
+    # at its first validation.
+    tokenizer = CharTokenizer(list("abcde"), specials=["<pad>", "<bos>", "<eos>"])
+    gpt = LanguageModelModule(
+        tiny_gpt_config(tokenizer.vocab_size, n_layer=1).to_dict(),
+        {"lr": 1e-3},
+        tokenizer.to_dict(),
+    )
+    batch = (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+    assert set(validate(gpt, [batch], monkeypatch)) == set(gpt.validation_metrics)
+
+    config = tiny_encdec(tokenizer.vocab_size).config.to_dict()
+    encdec = Seq2SeqModule(config, {"lr": 1e-3}, tokenizer.to_dict()).eval()
+    monkeypatch.setattr(encdec, "decode_scores", lambda datamodule: (0.0, 0.0))
+    batch = seq2seq_batch(encdec, rows=2, length=4, correct=[], scored=4)
+    assert set(validate(encdec, [batch], monkeypatch)) == set(encdec.validation_metrics)
+
+
 def test_a_nan_batch_makes_the_whole_validation_nan(monkeypatch):
     # One diverged batch among finite ones: the validation's figures are NaN, not the mean of
     # the batches left once it is dropped, which would hide the divergence.

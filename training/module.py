@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import ClassVar
 
 import lightning as L
 import torch
@@ -89,6 +90,14 @@ class TrainingModule(L.LightningModule):
     """
 
     kind: str  # "gpt" or "encdec": recorded in the checkpoint, so generate.py knows the model
+    # What every validation logs, and which way each metric improves: what a checkpoint callback
+    # can monitor (training/plan.py checks `monitor` and `mode` against it before anything
+    # trains) and what W&B summarises by its best value. Each task adds its own.
+    validation_metrics: ClassVar[dict[str, str]] = {
+        "val/loss": "min",
+        "val/perplexity": "min",
+        "val/best_loss": "min",  # the lowest finite val/loss so far
+    }
 
     def __init__(
         self,
@@ -313,6 +322,7 @@ class LanguageModelModule(TrainingModule):
     bits per character, which compares across tokenizers where loss per token cannot."""
 
     kind = "gpt"
+    validation_metrics = TrainingModule.validation_metrics | {"val/bits_per_char": "min"}
 
     def __init__(self, model: dict, optim: dict, tokenizer: dict, **options):
         super().__init__(model, optim, tokenizer, **options)
@@ -371,6 +381,11 @@ class Seq2SeqModule(TrainingModule):
     exact match and character error rate of greedy decodes of a fixed validation subset."""
 
     kind = "encdec"
+    validation_metrics = TrainingModule.validation_metrics | {
+        "val/token_accuracy": "max",
+        "val/exact_match": "max",
+        "val/cer": "min",
+    }
 
     def __init__(self, model: dict, optim: dict, tokenizer: dict, **options):
         super().__init__(model, optim, tokenizer, **options)
