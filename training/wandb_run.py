@@ -16,18 +16,18 @@ from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
+from training.kinds import KINDS
 from training.sweep import in_sweep
 
-# Which way each validation metric improves: a run's summary holds its best value, as the
-# checkpoint and the Optuna search judge a run, not its last. (val/best_loss, the running
-# minimum, is a plain value: W&B Sweeps can only optimise a top-level number.)
+# Which way each validation metric improves (as the tasks declare them): a run's summary holds
+# its best value, as the checkpoint and the Optuna search judge a run, not its last.
+# (val/best_loss, the running minimum, stays a plain value: W&B Sweeps can only optimise a
+# top-level number.)
 BEST = {
-    "val/loss": "min",
-    "val/perplexity": "min",
-    "val/bits_per_char": "min",
-    "val/cer": "min",
-    "val/token_accuracy": "max",
-    "val/exact_match": "max",
+    name: way
+    for kind in KINDS.values()
+    for name, way in kind.module.validation_metrics.items()
+    if name != "val/best_loss"
 }
 
 
