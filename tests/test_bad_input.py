@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from export import ExportOptions, export
-from helpers import run_script
+from helpers import SMALLEST_BASE, run_script
+from training.module import LanguageModelModule
 
 # (id, script, overrides, what the message says). {tmp} is this module's folder of inputs,
 # {run} a trained GPT's run directory. "hydra:" cases are Hydra's own multi-line messages.
@@ -63,6 +64,32 @@ CASES = [
      "error: trainer.val_check_interval must be a positive integer (training batches), got 0"),
     ("logging_never", "train.py", ["trainer.log_every_n_steps=0"],
      "error: trainer.log_every_n_steps must be a positive integer, got 0"),
+    # a metric the run never logs, or the wrong way round: Lightning would fail at the first
+    # validation, or keep the worst checkpoint
+    ("unknown_monitor", "train.py", ["callbacks.model_checkpoint.monitor=val/foo"],
+     "error: callbacks.model_checkpoint.monitor must be a metric that validation logs for the "
+     "gpt model (val/loss, val/perplexity, val/best_loss, val/bits_per_char) or null (keep the "
+     "latest checkpoint only), got 'val/foo'"),
+    ("monitor_a_training_metric", "train.py", ["callbacks.model_checkpoint.monitor=train/loss"],
+     "error: callbacks.model_checkpoint.monitor must be a metric that validation logs for the "
+     "gpt model (val/loss, "),
+    ("monitor_the_other_kinds_metric", "train.py",
+     ["model=encdec", "callbacks.model_checkpoint.monitor=val/bits_per_char"],
+     "error: callbacks.model_checkpoint.monitor must be a metric that validation logs for the "
+     "encdec model (val/loss, val/perplexity, val/best_loss, val/token_accuracy, "
+     "val/exact_match, val/cer) or null"),
+    ("monitor_the_wrong_way", "train.py",
+     ["model=encdec", "callbacks.model_checkpoint.monitor=val/exact_match"],
+     "error: callbacks.model_checkpoint.mode must be max for val/exact_match (its highest is its "
+     "best), got 'min'"),
+    ("unknown_mode", "train.py", ["callbacks.model_checkpoint.mode=lowest"],
+     "error: callbacks.model_checkpoint.mode must be min for val/loss (its lowest is its best), "
+     "got 'lowest'"),
+    ("early_stop_on_an_unknown_metric", "train.py",
+     ["+callbacks.early_stop._target_=lightning.pytorch.callbacks.EarlyStopping",
+      "+callbacks.early_stop.monitor=val/foo"],
+     "error: callbacks.early_stop.monitor must be a metric that validation logs for the gpt model "
+     "(val/loss, val/perplexity, val/best_loss, val/bits_per_char), got 'val/foo'"),
     # no option takes an infinite number: the run would end in NaN a step later
     ("infinite_lr", "train.py", ["optim.lr=inf"],
      "error: optim.lr must be a finite number, got inf"),
@@ -241,3 +268,22 @@ def test_bad_input_gets_one_line_and_status_1(inputs, tmp_path, script, override
     # A mistake ends the run before Lightning or W&B say anything (they would not, in any case).
     assert "GPU available" not in result.stdout and "wandb:" not in result.stderr
     assert not (inputs["tmp"] / "pwned").exists(), "a checkpoint ran code"
+
+
+def test_a_monitor_the_run_never_logs_fails_before_the_data_loads(tmp_path):
+    # Lightning finds the metric missing at the first validation only, after training up to it
+    # (step 2 here, so that the run gets there fast without the check).
+    run_dir, cache_dir = tmp_path / "run", tmp_path / "cache"
+    overrides = [*SMALLEST_BASE, "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    overrides += ["logger=none", "callbacks.model_checkpoint.monitor=val/foo"]
+    result = run_script("train.py", *overrides, f"hydra.run.dir={run_dir}", cache_dir=cache_dir)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: callbacks.model_checkpoint.monitor must be ")
+    assert lines[0].endswith("got 'val/foo'")
+    for metric in [*LanguageModelModule.validation_metrics, "null"]:  # what can be monitored
+        assert metric in lines[0]
+    assert not cache_dir.exists(), "no data may be prepared for an invalid config"
+    assert "Epoch" not in result.stderr  # no training step: the progress bar never started
+    assert not (run_dir / "checkpoints").exists()

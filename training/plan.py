@@ -5,7 +5,8 @@ import dataclasses
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class
+from hydra.utils import get_class, get_object
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from errors import check, check_int, config_from, is_int, is_number
@@ -84,6 +85,7 @@ def check_options(cfg: DictConfig) -> Plan:
     check_int("trainer.max_steps", cfg.trainer.get("max_steps"))
     check_trainer_options(cfg.trainer)
     kind = kind_of(cfg.model)
+    check_monitored_metrics(cfg.get("callbacks"), kind)
     check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
     check_data_follows_model(kind, cfg.model, cfg.data)
     if kind.name == "encdec":
@@ -105,6 +107,39 @@ def check_fits_data(kind: ModelKind, data: DictConfig, choices: dict) -> None:
         raise ValueError(
             f"model={choices.get('model')} cannot train on data={choices.get('data')}: use "
             f"{kind.data_choices}"
+        )
+
+
+def check_monitored_metrics(callbacks: DictConfig | None, kind: ModelKind) -> None:
+    """Each callback that judges the run by a metric (the checkpoint's `monitor`, an early
+    stop's) names one that this kind's validation logs, and its `mode` is the way that metric
+    improves. Lightning would find a missing name only at the first validation, after the
+    training before it, and under the wrong mode would keep the worst checkpoint without a word.
+    Training metrics are refused too: such callbacks decide at each validation, where a training
+    metric holds the value of the last step that logged (every trainer.log_every_n_steps), or
+    none yet."""
+    metrics = get_class(kind.module).validation_metrics
+    for name, callback in (callbacks or {}).items():
+        if not isinstance(callback, DictConfig) or "monitor" not in callback:
+            continue
+        key, monitor = f"callbacks.{name}", callback.monitor
+        # a checkpoint callback that monitors nothing keeps the latest checkpoint
+        keeps_latest = issubclass(get_object(callback._target_), ModelCheckpoint)
+        if monitor is None and keeps_latest:
+            continue
+        check(
+            monitor in metrics,
+            f"{key}.monitor",
+            f"a metric that validation logs for the {kind.name} model ({', '.join(metrics)})"
+            + (" or null (keep the latest checkpoint only)" if keeps_latest else ""),
+            monitor,
+        )
+        best, mode = metrics[monitor], callback.get("mode", "min")  # Lightning's default mode
+        check(
+            mode == best,
+            f"{key}.mode",
+            f"{best} for {monitor} (its {'lowest' if best == 'min' else 'highest'} is its best)",
+            mode,
         )
 
 
