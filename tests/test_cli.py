@@ -103,6 +103,20 @@ def test_train_prints_sample_and_generate_command(trained_run):
     assert f"python generate.py ckpt={trained_run}" in stdout
 
 
+@pytest.mark.slow
+def test_a_run_that_monitors_no_metric_keeps_and_samples_its_latest_checkpoint(
+    tmp_path, shared_cache
+):
+    overrides = [*SMALLEST, "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    overrides += ["callbacks.model_checkpoint.monitor=null"]
+    run_dir = train_run(tmp_path / "run", *overrides, cache_dir=shared_cache)
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").glob("*.ckpt"))
+    assert checkpoints == ["best-step4.ckpt", "last.ckpt"]
+    stdout = (run_dir / "stdout.txt").read_text()
+    assert f"best checkpoint: {run_dir}/checkpoints/best-step4.ckpt\nsample:" in stdout
+    assert "warning" not in (run_dir / "stderr.txt").read_text()
+
+
 @pytest.mark.parametrize(
     "value",
     [

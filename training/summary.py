@@ -129,7 +129,9 @@ def print_best(
     best = callback.best_model_path if callback else ""
     if not best:
         return
-    print(f"\nbest checkpoint: {best} (val/loss {callback.best_model_score:.4f})")
+    score = callback.best_model_score  # None where monitor=null: the latest checkpoint is kept
+    judged = "" if score is None else f" ({callback.monitor} {score:.4f})"
+    print(f"\nbest checkpoint: {best}{judged}")
     model, hparams = load_checkpoint(Path(best))
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])
     command = f"python generate.py {generate_option('ckpt', run_dir)}"
