@@ -52,6 +52,7 @@ from training.resume import (
     resume_run_dir,
 )
 from training.summary import (
+    best_val_loss,
     checked_sample,
     describe_baseline,
     print_end,
@@ -203,10 +204,7 @@ def fit(cfg: DictConfig) -> float | None:
     if trainer.is_global_zero:  # again, now with the time the last maps took
         write_summary(plan.run_dir, run_summary(trainer, started, status, None))
     raise_if_pruned(trainer)
-    score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
-    if score is None:
-        score = trainer.callback_metrics.get("val/loss")
-    return None if score is None else float(score)
+    return best_val_loss(trainer)
 
 
 def train(cfg: DictConfig) -> float | None:

@@ -133,10 +133,11 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
 
 
 def best_checkpoint(folder: Path) -> Path | None:
-    """The run's best*.ckpt of the lowest validation loss: the only one (save_top_k=1, the
-    default), or, of several, the one that the latest names as the best in its checkpoint
-    callback's record (written as the top k last changed, so it knows them all). By name in
-    `folder`: the record's paths are those of the run's directory when it wrote them."""
+    """The run's best*.ckpt by the metric its checkpoint callback monitors (by default the
+    lowest validation loss): the only one (save_top_k=1, the default), or, of several, the one
+    that the latest names as the best in its checkpoint callback's record (written as the top k
+    last changed, so it knows them all). By name in `folder`: the record's paths are those of
+    the run's directory when it wrote them."""
     saved = list(folder.glob("best*.ckpt"))
     if len(saved) < 2:
         return saved[0] if saved else None

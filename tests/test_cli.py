@@ -1,6 +1,7 @@
 """End to end through the real command line: train.py writes a run, generate.py samples it."""
 
 import json
+import math
 import shlex
 import signal
 import subprocess
@@ -115,6 +116,21 @@ def test_a_run_that_monitors_no_metric_keeps_and_samples_its_latest_checkpoint(
     stdout = (run_dir / "stdout.txt").read_text()
     assert f"best checkpoint: {run_dir}/checkpoints/best-step4.ckpt\nsample:" in stdout
     assert "warning" not in (run_dir / "stderr.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_run_that_monitors_another_metric_still_reports_its_best_loss(tmp_path, shared_cache):
+    """summary.json's best_val_loss, and what train() returns to a sweeper, is the loss whatever
+    the checkpoint monitors: here perplexity, whose best is another number."""
+    overrides = [*SMALLEST, "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    overrides += ["callbacks.model_checkpoint.monitor=val/perplexity"]
+    run_dir = train_run(tmp_path / "run", *overrides, cache_dir=shared_cache)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    losses = val_losses(run_dir)
+    assert len(losses) == 2
+    assert summary["best_val_loss"] == pytest.approx(min(losses))
+    stdout = (run_dir / "stdout.txt").read_text()
+    assert f"(val/perplexity {math.exp(min(losses)):.4f})" in stdout
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ end-of-run sample before training too (its prompt is checked then), and at the e
 summary.json (for report.py and for people) and the printout of the best checkpoint."""
 
 import json
+import math
 import re
 import shlex
 import sys
@@ -76,8 +77,7 @@ def run_summary(trainer: L.Trainer | None, started: float, status: str, error: s
     if trainer is None:  # the config failed before there was a trainer
         return summary
     summary["steps"] = trainer.global_step
-    best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
-    summary["best_val_loss"] = None if best is None else float(best)
+    summary["best_val_loss"] = best_val_loss(trainer)
     history = next((c for c in trainer.callbacks if isinstance(c, RunHistory)), None)
     if history is not None:
         for key in ("train/loss", "val/loss", "val/bits_per_char", "val/cer"):
@@ -120,6 +120,14 @@ def print_end(
         print_best(trainer, sample, datamodule, run_dir)
     except Exception as error:
         print(f"warning: the end-of-run sample failed ({error})", file=sys.stderr)
+
+
+def best_val_loss(trainer: L.Trainer) -> float | None:
+    """The run's lowest finite validation loss (its module keeps it across resumes), None where
+    no validation gave one. Not the checkpoint callback's best score: that is whatever metric
+    callbacks.model_checkpoint.monitor names (perplexity, exact match...), not always the loss."""
+    best = trainer.lightning_module.best_val_loss
+    return best if math.isfinite(best) else None
 
 
 def print_best(
