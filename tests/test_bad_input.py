@@ -153,8 +153,8 @@ CASES = [
      "error: ckpt_path={tmp}/foreign.ckpt was not written by train.py"),
     ("checkpoint_of_another_kind", "train.py",
      ["ckpt_path={run}", "model=encdec", "data=shakespeare_denoise"],
-     "error: ckpt_path={run}/checkpoints/last.ckpt holds a gpt model and this command asks "
-     "for a encdec"),
+     "error: ckpt_path={run}/checkpoints/last.ckpt holds a GPT and this command asks for an "
+     "encoder-decoder"),
     ("negative_max_new_tokens", "generate.py", ["ckpt={run}", "max_new_tokens=-1"],
      "error: max_new_tokens must be a non-negative integer, got -1"),
     ("top_p_above_one", "generate.py", ["ckpt={run}", "top_p=1.5"],

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import BPETokenizer, CharTokenizer
-from kinds import kind_of
+from kinds import KINDS, kind_of
 from model.checkpoint import find_checkpoint, load_safely
 from training.errors import TRAIN_ERRORS
 from training.summary import print_once
@@ -241,11 +241,12 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
     saved = hparams.get("run_config") if isinstance(hparams, dict) else None
     if saved is None:
         raise ValueError(f"ckpt_path={path} was not written by train.py: it has no run config")
-    saved_kind, asked_kind = hparams.get("kind"), kind_of(cfg.model).name
-    if "model" in {override_key(o) for o in given} and asked_kind != saved_kind:
+    saved_kind, asked = hparams.get("kind"), kind_of(cfg.model)
+    if "model" in {override_key(o) for o in given} and asked.name != saved_kind:
+        saved_label = KINDS[saved_kind].label if saved_kind in KINDS else f"a {saved_kind} model"
         raise ValueError(
-            f"ckpt_path={path} holds a {saved_kind} model and this command asks for a "
-            f"{asked_kind}: drop model=... to resume it, or start a new run without ckpt_path"
+            f"ckpt_path={path} holds {saved_label} and this command asks for {asked.label}: "
+            "drop model=... to resume it, or start a new run without ckpt_path"
         )
     overrides = resumed_overrides(saved.get("overrides", []), given)
     if overrides != given:
