@@ -151,6 +151,11 @@ CASES = [
      "error: {tmp}/truncated.ckpt is not a readable tinyformer checkpoint"),
     ("foreign_checkpoint", "train.py", ["ckpt_path={tmp}/foreign.ckpt"],
      "error: ckpt_path={tmp}/foreign.ckpt was not written by train.py"),
+    ("unimportable_callback", "train.py", ["callbacks.model_checkpoint._target_=foo.Bar"],
+     "error: callbacks.model_checkpoint._target_='foo.Bar' cannot be imported "
+     "(ModuleNotFoundError: No module named 'foo'): give a class's import path, as configs/ do"),
+    ("unimportable_trainer", "train.py", ["trainer._target_=lightning.NoTrainer"],
+     "error: trainer._target_='lightning.NoTrainer' cannot be imported"),
     ("checkpoint_of_another_kind", "train.py",
      ["ckpt_path={run}", "model=encdec", "data=shakespeare_denoise"],
      "error: ckpt_path={run}/checkpoints/last.ckpt holds a GPT and this command asks for an "

@@ -3,6 +3,7 @@ mistakes (errors.py's USER_ERRORS), Lightning's config errors, a diverged run, a
 running out."""
 
 import inspect
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,23 @@ def instantiate_checked(node: DictConfig, **kwargs: Any) -> Any:
         raise
 
 
+def target_of(node: DictConfig) -> Any:
+    """What `node`'s _target_ names; one that cannot be imported is a one-line error naming it
+    (Hydra's is a traceback), before anything is built."""
+    hydra_log = logging.getLogger("hydra.utils")
+    hydra_log.disabled = True  # it would log the error, over lines, before the one line below
+    try:
+        return get_object(node._target_)
+    except Exception as error:  # ImportError, or whatever importing the module raised
+        cause = error.__cause__ or error
+        raise ValueError(
+            f"{node._get_full_key(None)}._target_={node._target_!r} cannot be imported "
+            f"({type(cause).__name__}: {cause}): give a class's import path, as configs/ do"
+        ) from None
+    finally:
+        hydra_log.disabled = False
+
+
 def check_target_takes(node: DictConfig) -> None:
     """Each key of `node` (`+trainer.foo=1` adds one) is an argument of its _target_, which
     would otherwise fail with a TypeError's traceback, and so on down the targets it holds (a
@@ -39,9 +57,12 @@ def check_target_takes(node: DictConfig) -> None:
     for _, child in node.items_ex(resolve=False):
         if isinstance(child, DictConfig) and "_target_" in child:
             check_target_takes(child)
+    if "_target_" not in node:
+        return
+    target = target_of(node)
     try:
-        parameters = inspect.signature(get_object(node._target_)).parameters.values()
-    except Exception:  # no target, or one that cannot be imported: instantiate says so
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):  # a target without a signature: instantiate judges it
         return
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return

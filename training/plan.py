@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class, get_object
+from hydra.utils import get_class
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
@@ -14,7 +14,7 @@ from kinds import ModelKind, kind_of
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
-from training.errors import instantiate_checked
+from training.errors import instantiate_checked, target_of
 from training.guard import check_nonfinite_action
 from training.module import OptimConfig, TrainingModule
 from training.resume import Resume, override_key, prepare_resume
@@ -124,7 +124,7 @@ def check_monitored_metrics(callbacks: DictConfig | None, kind: ModelKind) -> No
             continue
         key, monitor = f"callbacks.{name}", callback.monitor
         # a checkpoint callback that monitors nothing keeps the latest checkpoint
-        keeps_latest = issubclass(get_object(callback._target_), ModelCheckpoint)
+        keeps_latest = issubclass(target_of(callback), ModelCheckpoint)
         if monitor is None and keeps_latest:
             continue
         check(
