@@ -44,6 +44,7 @@ from training.module import DataModule, TrainingModule
 from training.plan import Plan, check_options
 from training.precision import fast_precision
 from training.resume import (
+    ExactRestart,
     ResumeState,
     StopSignals,
     hydra_record_dir,
@@ -130,7 +131,7 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
     for logger in wandb_loggers:
         logger.start_in_background()  # released after the first training step
     uploads = any(logger.uploads_checkpoints for logger in wandb_loggers)
-    ours = [ResumeState(), stop, ReleaseWandbStart(wandb_loggers), *trial_pruning()]
+    ours = [ResumeState(), ExactRestart(), stop, ReleaseWandbStart(wandb_loggers), *trial_pruning()]
     trainer = instantiate_checked(
         plan.cfg.trainer,
         callbacks=[*callbacks, *ours],

@@ -265,9 +265,14 @@ class CachedDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return {}
-        epoch = trainer.current_epoch
-        batch = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        if batch >= trainer.num_training_batches:  # saved as the epoch ended
+        loop = trainer.fit_loop
+        # The epoch those batches are of: the last one begun (none before training starts).
+        # Not trainer.current_epoch, the epochs completed: after an epoch's loop ended (a stop
+        # signal at its last step, a run's end) it counts that epoch too, while Lightning
+        # resets the batch count only as the next epoch's batches begin.
+        epoch = max(loop.epoch_progress.current.started - 1, 0)
+        batch = loop.epoch_loop.batch_progress.current.processed
+        if batch >= trainer.num_training_batches:  # saved as the epoch ended, or after
             epoch, batch = epoch + 1, 0
         return {"epoch": epoch, "batch": batch}
 

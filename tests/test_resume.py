@@ -230,6 +230,71 @@ def test_a_run_accumulating_over_shortened_epochs_resumes_on_the_same_batches(tm
         assert torch.equal(final[key], expected[key]), key
 
 
+@pytest.fixture(scope="module")
+def epochs_of_7(tmp_path_factory, cache) -> tuple[list[str], Path]:
+    """A run of epochs of 7 batches validated every 4 (never at an epoch's end, 7 steps in), and
+    that run trained straight to step 10."""
+    text = tmp_path_factory.mktemp("words") / "words.txt"
+    text.write_text(" ".join(f"word{i * 7 % 31}" for i in range(120)))
+    run = [*SMALLEST, "data=text_files", f"data.paths=[{text}]", "callbacks=batch_log"]
+    run += ["+trainer.limit_train_batches=7", "trainer.val_check_interval=4"]
+    run += ["trainer.deterministic=true"]
+    straight = tmp_path_factory.mktemp("straight_epochs_of_7")
+    result = run_training(cache, *run, "trainer.max_steps=10", f"hydra.run.dir={straight}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run, straight
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stop", "step", "position"),
+    [
+        # the last step ends the epoch, validated off the grid of 4
+        (["trainer.max_steps=7"], 7, {"epoch": 1, "batch": 0}),
+        # a stop after step 7, once the epoch has ended
+        (fault("SignalAt", step=6, signum=signal.SIGTERM), 7, {"epoch": 1, "batch": 0}),
+    ],
+    ids=["max_steps_at_epoch_end", "SIGTERM_at_epoch_end"],
+)
+def test_a_run_stopped_at_an_epochs_end_resumes_on_the_next_epochs_batches(
+    tmp_path, cache, epochs_of_7, stop, step, position
+):
+    run, straight = epochs_of_7
+    stopped = tmp_path / "stopped"
+    first = run_training(cache, *run, "trainer.max_steps=10", *stop, f"hydra.run.dir={stopped}")
+    assert first.returncode in (0, 128 + signal.SIGTERM), first.stderr[-3000:]
+    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == step and saved["LMDataModule"] == position
+    resumed = run_training(cache, f"ckpt_path={stopped}", "trainer.max_steps=10")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    assert batches_trained(stopped) == batches_trained(straight)
+    final, expected = weights(stopped), weights(straight)
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+
+
+@pytest.mark.slow
+def test_a_run_without_validation_resumed_twice_trains_on_the_same_batches(
+    tmp_path, cache, epochs_of_7
+):
+    # Without validation, last.ckpt is written as training ends, after Lightning counted the
+    # epoch under way complete: at step 5, in the first epoch; at step 8, in the second.
+    run, straight = epochs_of_7
+    stopped = tmp_path / "stopped"
+    no_validation = ["trainer.limit_val_batches=0", f"hydra.run.dir={stopped}"]
+    first = run_training(cache, *run, "trainer.max_steps=5", *no_validation)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for steps in (8, 10):
+        resumed = run_training(cache, f"ckpt_path={stopped}", f"trainer.max_steps={steps}")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    assert batches_trained(stopped) == batches_trained(straight)
+    final, expected = weights(stopped), weights(straight)
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+
+
 @pytest.mark.slow
 def test_resume_trains_longer_at_a_new_learning_rate(tmp_path, cache, straight):
     run_dir = tmp_path / "run"

@@ -7,6 +7,8 @@ continues with, what it may not change, what its checkpoints carry, and how it s
 - Lightning saves weights, optimizer, scheduler, step counters and callbacks' states.
   ResumeState adds the random streams (dropout draws from them) and the W&B run a resumed run
   continues; the data module saves its position in the training data (data/cache.py).
+  ExactRestart corrects Lightning's saved loop counts where its restart would misread them
+  (checkpoints written at or after an epoch's end, or in the last step's validation).
 - StopSignals turns SIGINT, like SIGTERM, into a stop at the next step boundary with a
   checkpoint.
 """
@@ -352,6 +354,60 @@ class ResumeState(L.Callback):
         if self._streams is not None:
             restore_random_streams(self._streams)
             self._streams = None
+
+
+def align_epoch_counts(fit_loop: dict) -> None:
+    """Make the epoch counts of Lightning's saved fit loop state (checkpoint["loops"]["fit_loop"])
+    agree, in place, with its batch counts. They disagree in a checkpoint written in an epoch's
+    last validation, before Lightning counted the epoch complete, or after the epoch's loop
+    ended: Lightning then counts the epoch complete, max_steps reached or not, and resets the
+    batch counts only as the next epoch's batches begin.
+
+    - The epoch's batches all trained: every epoch begun is complete, no batch of the next one.
+    - Fewer (the run reached max_steps), though the epoch was counted complete: it is under way.
+    """
+    batches = fit_loop["epoch_loop.batch_progress"]
+    counts = batches["current"]
+    epochs = fit_loop["epoch_progress"]
+    epoch_done = batches["is_last_batch"] and counts["completed"] == counts["processed"]
+    loop_ended = epochs["current"]["processed"] == epochs["current"]["started"]
+    if epoch_done:
+        batches["current"], batches["is_last_batch"] = dict.fromkeys(counts, 0), False
+    elif not (loop_ended and counts["completed"] > 0):
+        return  # mid-epoch, or before its first batch: Lightning restarts those right
+    for progress in epochs.values():  # its total and current counts
+        begun = progress["started"]
+        complete = begun if epoch_done else begun - 1
+        progress.update(ready=begun, started=begun, processed=complete, completed=complete)
+
+
+class ExactRestart(L.Callback):
+    """Makes a resumed run's loops go on where the checkpoint's run was.
+
+    Lightning reads where in its loops a checkpoint was written from their progress counts, and
+    expects one of three places: in on_train_batch_end, in a validation it scheduled itself, or
+    after a step. Our runs also write checkpoints in a validation it did not schedule (the last
+    step's: the module asks for it with should_stop), and after the loop over an epoch ended (a
+    stop signal at an epoch's last step; the end of a run whose last step was not validated).
+    Restored as they are:
+
+    - after an epoch's last batch (and not in a validation Lightning runs there), Lightning
+      trains one more batch in that epoch, the next epoch's first, then starts the next epoch's
+      order afresh: the rest of that epoch is never trained;
+    - after a run ended mid-epoch, Lightning counts the rest of that epoch as the next epoch,
+      and the checkpoints that follow put the data one epoch on.
+
+    align_epoch_counts corrects both as the checkpoint loads. An ended epoch's on_train_epoch_end
+    hooks are not called again: the run that wrote the checkpoint called them, unless it was
+    killed first (nothing of ours has one).
+    """
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict
+    ) -> None:
+        # Called before Lightning restores its loops from this same dict.
+        if "loops" in checkpoint:
+            align_epoch_counts(checkpoint["loops"]["fit_loop"])
 
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path | None:
