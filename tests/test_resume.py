@@ -4,6 +4,7 @@ middle of training, a non-finite loss, and the resumed run's W&B record.
 Faults come from tests/faults.py, added to a run with +callbacks.fault=... overrides.
 """
 
+import csv
 import json
 import math
 import shutil
@@ -230,6 +231,20 @@ def test_a_run_accumulating_over_shortened_epochs_resumes_on_the_same_batches(tm
         assert torch.equal(final[key], expected[key]), key
 
 
+LOSSES = ("train/loss", "val/loss")
+
+
+def logged_steps(run_dir: Path, start: int = 0) -> list[tuple[int, str]]:
+    """(Lightning's logging step, key) of every train/loss and val/loss the csv logger wrote, in
+    order, over the run's starts (csv/version_N), from logging step `start` on."""
+    logged = []
+    for log in sorted((run_dir / "csv").glob("version_*/metrics.csv")):
+        with open(log) as f:
+            rows = [row for row in csv.DictReader(f) if int(row["step"]) >= start]
+        logged += [(int(row["step"]), key) for row in rows for key in LOSSES if row.get(key)]
+    return logged
+
+
 @pytest.fixture(scope="module")
 def epochs_of_7(tmp_path_factory, cache) -> tuple[list[str], Path]:
     """A run of epochs of 7 batches validated every 4 (never at an epoch's end, 7 steps in), and
@@ -238,7 +253,7 @@ def epochs_of_7(tmp_path_factory, cache) -> tuple[list[str], Path]:
     text.write_text(" ".join(f"word{i * 7 % 31}" for i in range(120)))
     run = [*SMALLEST, "data=text_files", f"data.paths=[{text}]", "callbacks=batch_log"]
     run += ["+trainer.limit_train_batches=7", "trainer.val_check_interval=4"]
-    run += ["trainer.deterministic=true"]
+    run += ["trainer.log_every_n_steps=2", "trainer.deterministic=true"]
     straight = tmp_path_factory.mktemp("straight_epochs_of_7")
     result = run_training(cache, *run, "trainer.max_steps=10", f"hydra.run.dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -253,10 +268,12 @@ def epochs_of_7(tmp_path_factory, cache) -> tuple[list[str], Path]:
         (["trainer.max_steps=7"], 7, {"epoch": 1, "batch": 0}),
         # a stop after step 7, once the epoch has ended
         (fault("SignalAt", step=6, signum=signal.SIGTERM), 7, {"epoch": 1, "batch": 0}),
+        # a stop after step 8, once it was validated
+        (fault("SignalAt", step=7, signum=signal.SIGTERM), 8, {"epoch": 1, "batch": 1}),
     ],
-    ids=["max_steps_at_epoch_end", "SIGTERM_at_epoch_end"],
+    ids=["max_steps_at_epoch_end", "SIGTERM_at_epoch_end", "SIGTERM_at_validated_step"],
 )
-def test_a_run_stopped_at_an_epochs_end_resumes_on_the_next_epochs_batches(
+def test_a_run_stopped_at_an_epochs_end_or_a_validated_step_resumes_exactly(
     tmp_path, cache, epochs_of_7, stop, step, position
 ):
     run, straight = epochs_of_7
@@ -272,6 +289,9 @@ def test_a_run_stopped_at_an_epochs_end_resumes_on_the_next_epochs_batches(
     final, expected = weights(stopped), weights(straight)
     for key in expected:
         assert torch.equal(final[key], expected[key]), key
+    # The loggers' steps go on as the straight run's (Lightning logs the values of a step
+    # at the step before it counts it: step 8's at 7).
+    assert logged_steps(stopped, start=step) == logged_steps(straight, start=step)
 
 
 @pytest.mark.slow

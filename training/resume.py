@@ -395,12 +395,18 @@ class ExactRestart(L.Callback):
       trains one more batch in that epoch, the next epoch's first, then starts the next epoch's
       order afresh: the rest of that epoch is never trained;
     - after a run ended mid-epoch, Lightning counts the rest of that epoch as the next epoch,
-      and the checkpoints that follow put the data one epoch on.
+      and the checkpoints that follow put the data one epoch on;
+    - Lightning's count of the batches that stepped, the step loggers get, comes back one short
+      after a validation it did not schedule (written before the count), or one over after a
+      stop signal at a step it validated (written after the count, which is counted again).
 
-    align_epoch_counts corrects both as the checkpoint loads. An ended epoch's on_train_epoch_end
-    hooks are not called again: the run that wrote the checkpoint called them, unless it was
-    killed first (nothing of ours has one).
+    align_epoch_counts corrects the first two as the checkpoint loads; the count is set at the
+    first batch. An ended epoch's on_train_epoch_end hooks are not called again: the run that
+    wrote the checkpoint called them, unless it was killed first (nothing of ours has one).
     """
+
+    def __init__(self) -> None:
+        self._logging_step_to_set = False
 
     def on_load_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict
@@ -408,6 +414,16 @@ class ExactRestart(L.Callback):
         # Called before Lightning restores its loops from this same dict.
         if "loops" in checkpoint:
             align_epoch_counts(checkpoint["loops"]["fit_loop"])
+            self._logging_step_to_set = True
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int
+    ) -> None:
+        if self._logging_step_to_set:
+            # Before a batch, the batches that stepped are the optimizer's steps (one optimizer,
+            # stepped by Lightning, on each group of accumulated batches).
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+            self._logging_step_to_set = False
 
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path | None:
