@@ -98,8 +98,12 @@ CASES = [
     ("infinite_temperature", "train.py", ["sample.temperature=inf"],
      "error: sample.temperature must be a finite number, got inf"),
     # a key added with + that nothing takes: one line naming it and the keys there are
+    # the end-of-run sample's options only: none of those it refuses or ignores (source, beam's)
     ("unknown_sample_key", "train.py", ["+sample.foo=1"],
-     "error: sample.foo is not an option of sample; its options are prompt, source, "),
+     "error: sample.foo is not an option of sample; its options are prompt, max_new_tokens, "
+     "decoding, temperature, top_k, top_p, num_samples, seed, use_cache"),
+    ("end_sample_beam_width", "train.py", ["+sample.beam_size=2"],
+     "error: sample.beam_size is not an option of sample; its options are prompt, "),
     ("unknown_optim_key", "train.py", ["+optim.foo=1"],
      "error: optim.foo is not an option of optim; its options are name, lr, "),
     ("unknown_attention_key", "train.py", ["+model.attention.foo=1"],

@@ -9,7 +9,7 @@ from hydra.utils import get_class
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from errors import check, check_int, config_from, is_int, is_number
+from errors import check, check_int, check_known, config_from, is_int, is_number
 from kinds import ModelKind, kind_of
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
@@ -31,6 +31,13 @@ GENERATE_ONLY = {
     "cuda_graph": "false",
     "compile": "false",
 }
+# The options the end-of-run sample takes: generate.py's, less those above and beam search's
+# (decoding=beam is generate.py's alone), which it would ignore.
+END_OF_RUN_SAMPLE_OPTIONS = [
+    field.name
+    for field in dataclasses.fields(SamplingConfig)
+    if field.name not in (*GENERATE_ONLY, "beam_size", "length_penalty")
+]
 
 
 @dataclasses.dataclass
@@ -202,4 +209,8 @@ def end_of_run_sample(options: dict) -> SamplingConfig:
             "sample.decoding='beam' is for generate.py on an encoder-decoder; the end-of-run "
             "sample is sample or greedy"
         )
-    return config_from(SamplingConfig, options, "sample.", "sample", key_prefix="sample.")
+    # generate.py's options, turned off, pass (a resumed run's record may hold them); the
+    # message lists only the end-of-run sample's own
+    given = options.keys() - GENERATE_ONLY.keys()
+    check_known(given, END_OF_RUN_SAMPLE_OPTIONS, "sample.", "sample")
+    return SamplingConfig(**options, key_prefix="sample.")
