@@ -3,13 +3,14 @@ what is wrong in one line (Hydra's own composition errors in its few lines), nev
 traceback, and a checkpoint that would run code never does."""
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from export import ExportOptions, export
-from helpers import SMALLEST_BASE, run_script
+from helpers import SMALLEST_BASE, read_only, run_script
 from training.module import LanguageModelModule
 
 # (id, script, overrides, what the message says). {tmp} is this module's folder of inputs,
@@ -264,19 +265,42 @@ def test_bad_input_gets_one_line_and_status_1(inputs, tmp_path, script, override
     if script == "train.py":
         overrides += ["logger=none", f"hydra.run.dir={tmp_path / 'failed_run'}"]
     result = run_script(script, *overrides, cache_dir=inputs["cache"])
+    assert_refused(result, fill(message))
+    assert not (inputs["tmp"] / "pwned").exists(), "a checkpoint ran code"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_an_output_dir_on_a_read_only_disk_is_one_line(shared_cache, tmp_path, key):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    multirun = ["-m"] if key == "hydra.sweep.dir" else []
+    with read_only(disk):
+        result = run_script(
+            "train.py", *multirun, f"{key}={disk / 'run'}", "logger=none", cache_dir=shared_cache
+        )
+    assert_refused(
+        result,
+        f"error: {key}={disk / 'run'} cannot be written (Read-only file system in {disk}): give "
+        f"{key}= a directory on a disk you can write to",
+    )
+
+
+def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
+    """The command exited with status 1 and no traceback, its last word the one line that
+    starts with `message` (a "hydra:" message: Hydra's own few lines hold it)."""
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     if message.startswith("hydra:"):
-        assert fill(message.removeprefix("hydra:")) in result.stderr
+        assert message.removeprefix("hydra:") in result.stderr
         assert "Set the environment variable HYDRA_FULL_ERROR=1" in result.stderr
     else:
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and errors[0].startswith(fill(message)), result.stderr[-3000:]
+        assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-3000:]
         # The message is the run's last word: nothing after it.
         assert result.stderr.strip().splitlines()[-1] == errors[0]
     # A mistake ends the run before Lightning or W&B say anything (they would not, in any case).
     assert "GPU available" not in result.stdout and "wandb:" not in result.stderr
-    assert not (inputs["tmp"] / "pwned").exists(), "a checkpoint ran code"
 
 
 def test_a_monitor_the_run_never_logs_fails_before_the_data_loads(tmp_path):
