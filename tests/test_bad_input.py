@@ -2,6 +2,7 @@
 what is wrong in one line (Hydra's own composition errors in its few lines), never with a
 traceback, and a checkpoint that would run code never does."""
 
+import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -27,6 +28,12 @@ CASES = [
         ("gpu_recipe_without_a_gpu", "train.py", ["experiment=gpu_fast"],
          "error: trainer.accelerator must be cpu or auto where torch finds no GPU "
          "(use trainer=cpu"),
+    ]),
+    # Lightning's own refusal of a TPU without torch_xla was a traceback
+    *([] if importlib.util.find_spec("torch_xla") else [
+        ("tpu_without_torch_xla", "train.py", ["trainer.accelerator=tpu"],
+         "error: trainer.accelerator must be cpu or auto where torch finds no TPU (use "
+         "trainer=cpu or trainer=ddp_cpu, or a TPU machine with torch_xla), got 'tpu'"),
     ]),
     ("seed_out_of_range", "train.py", ["seed=99999999999999"],
      "error: seed must be an integer in [0, 2**32), got 99999999999999"),

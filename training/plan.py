@@ -3,9 +3,9 @@
 
 import dataclasses
 
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
+from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator, XLAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,6 +22,14 @@ from training.sweep import in_sweep
 
 # torch.compile's modes (compile_mode=)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# trainer.accelerator's names for what a machine may lack: Lightning's test of it, what torch
+# finds, and the machine that has one
+ACCELERATORS = {
+    "gpu": (CUDAAccelerator, "GPU", "a GPU machine"),
+    "cuda": (CUDAAccelerator, "GPU", "a GPU machine"),
+    "mps": (MPSAccelerator, "Apple GPU", "an Apple silicon Mac"),
+    "tpu": (XLAAccelerator, "TPU", "a TPU machine with torch_xla"),
+}
 # generate.py's options that the end-of-run sample (on the CPU: a GPT's continuation of
 # sample.prompt, an encoder-decoder's greedy decodes of validation sources) has no use for, and
 # the values that turn them off
@@ -80,14 +88,7 @@ def check_options(cfg: DictConfig) -> Plan:
         cfg.compile_mode,
     )
     check_nonfinite_action(cfg.on_nonfinite)
-    accelerator = cfg.trainer.get("accelerator")
-    check(
-        accelerator not in ("gpu", "cuda") or torch.cuda.is_available(),
-        "trainer.accelerator",
-        "cpu or auto where torch finds no GPU (use trainer=cpu or trainer=ddp_cpu, or a GPU "
-        "machine)",
-        accelerator,
-    )
+    check_accelerator(cfg.trainer.get("accelerator"))
     # the schedule needs a length
     check_int("trainer.max_steps", cfg.trainer.get("max_steps"))
     check_trainer_options(cfg.trainer)
@@ -172,6 +173,22 @@ def check_no_sample_options(overrides: list[str]) -> None:
             f"sources: drop {given}, and after the run use python generate.py ckpt=<run dir> "
             "source=..."
         )
+
+
+def check_accelerator(accelerator: object) -> None:
+    """trainer.accelerator is one this machine has (cpu and auto always are), by Lightning's own
+    test: Lightning would refuse it only after the data module is built, and a TPU without
+    torch_xla in a traceback. A name it does not know it refuses in one line itself."""
+    if accelerator not in ACCELERATORS:
+        return
+    found, device, machine = ACCELERATORS[accelerator]
+    check(
+        found.is_available(),
+        "trainer.accelerator",
+        f"cpu or auto where torch finds no {device} (use trainer=cpu or trainer=ddp_cpu, or "
+        f"{machine})",
+        accelerator,
+    )
 
 
 def check_trainer_options(trainer: DictConfig) -> None:
