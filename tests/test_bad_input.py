@@ -120,6 +120,16 @@ CASES = [
      "error: trainer.foo is not an option of trainer; its options are accelerator, "),
     ("unknown_data_key", "train.py", ["+data.foo=1"],
      "error: data.foo is not an option of a GPT's data; its options are source, "),
+    # an entry that is no logger or callback: the Trainer took it as one, in a traceback
+    ("key_on_a_logger_not_chosen", "train.py", ["+logger.wandb.foo=1"],
+     "error: logger.wandb is no logger of logger=none: drop logger.wandb.foo, or use "
+     "logger=wandb"),
+    ("callback_without_target", "train.py", ["+callbacks.foo.bar=1"],
+     "error: callbacks.foo is no callback of callbacks=default: drop callbacks.foo.bar, or give "
+     "callbacks.foo._target_"),
+    ("callback_set_to_null", "train.py", ["callbacks.progress_bar=null"],
+     "error: callbacks.progress_bar=null is no callback: to go without it, give "
+     "~callbacks.progress_bar"),
     ("unknown_nonfinite_action", "train.py", ["on_nonfinite=ignore"],
      "error: on_nonfinite='ignore' is not one of stop, skip"),
     ("unknown_position", "train.py", ["model.position=spiral"], "error: model.position='spiral'"),

@@ -3,6 +3,7 @@
 
 import dataclasses
 
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator, XLAAccelerator
@@ -92,6 +93,7 @@ def check_options(cfg: DictConfig) -> Plan:
     # the schedule needs a length
     check_int("trainer.max_steps", cfg.trainer.get("max_steps"))
     check_trainer_options(cfg.trainer)
+    check_loggers_and_callbacks(cfg)
     kind = kind_of(cfg.model)
     check_monitored_metrics(cfg.get("callbacks"), kind)
     check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
@@ -189,6 +191,26 @@ def check_accelerator(accelerator: object) -> None:
         f"{machine})",
         accelerator,
     )
+
+
+def check_loggers_and_callbacks(cfg: DictConfig) -> None:
+    """Each entry under logger and callbacks is a config with a _target_. A key set on an entry
+    that the chosen config lacks (`+logger.wandb.offline=false` with logger=none) makes one
+    without, and `callbacks.progress_bar=null` leaves one empty: either would reach the Trainer
+    as it is and fail there in a traceback, once the data is prepared."""
+    for group, kind in (("logger", "logger"), ("callbacks", "callback")):
+        for name, node in (cfg.get(group) or {}).items():
+            entry = f"{group}.{name}"
+            if node is None:
+                raise ValueError(f"{entry}=null is no {kind}: to go without it, give ~{entry}")
+            if isinstance(node, DictConfig) and "_target_" in node:
+                continue
+            keys = list(node) if isinstance(node, DictConfig) else []
+            given = f"{entry}.{keys[0]}" if keys else entry  # what to drop: a key set on it
+            choice = HydraConfig.get().runtime.choices.get(group)
+            options = GlobalHydra.instance().config_loader().get_group_options(group)
+            fix = f"use {group}={name}" if name in options else f"give {entry}._target_"
+            raise ValueError(f"{entry} is no {kind} of {group}={choice}: drop {given}, or {fix}")
 
 
 def check_trainer_options(trainer: DictConfig) -> None:
