@@ -190,7 +190,9 @@ def expand_paths(
 ) -> list[Path]:
     """The files named by `patterns` (files, globs, or folders searched recursively for files
     ending in `suffixes`), each glob's and folder's matches sorted, in order, made absolute.
-    `key` is the option that gave them, for the messages."""
+    `key` is the option that gave them, for the messages. A file that ends in none of `suffixes`
+    is an error here, with the config's checks, rather than once the files before it have been
+    read (under `datasets`' progress bars)."""
     if isinstance(patterns, str) or not patterns:
         raise ValueError(
             f"{key} must be a non-empty list of files, globs or folders, got {patterns!r}; "
@@ -215,6 +217,10 @@ def expand_paths(
             files.append(Path(pattern))
         else:
             raise FileNotFoundError(f"{key}: no file at {pattern}; check the path")
+    for f in files:
+        if f.suffix.lower() not in suffixes:
+            known = ", ".join(suffixes)
+            raise ValueError(f"{key}: {f} has an unsupported extension; use one of {known}")
     return [f.resolve() for f in files]
 
 
@@ -274,10 +280,7 @@ def load_text_files(
 
     parts = []
     for f in files:
-        builder = TEXT_BUILDERS.get(f.suffix.lower())
-        if builder is None:
-            known = ", ".join(TEXT_BUILDERS)
-            raise ValueError(f"{key}: {f} has an unsupported extension; use one of {known}")
+        builder = TEXT_BUILDERS[f.suffix.lower()]  # expand_paths took no other
         if not f.read_bytes().strip():
             continue  # an empty file holds no document (and `datasets` cannot type its rows)
         options = {"sample_by": "paragraph"} if builder == "text" else {}

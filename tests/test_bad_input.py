@@ -4,6 +4,7 @@ traceback, and a checkpoint that would run code never does."""
 
 import importlib.util
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -246,6 +247,18 @@ CASES = [
      "error: ckpt_path={tmp}/export_of_run is an export, which holds the weights only"),
 ]  # fmt: skip
 
+# train.py's mistakes in data.* that only reading the data finds, refused in one line that holds
+# the message before any progress bar (`datasets`' reading the files, Lightning's): files checked
+# with the config. Their files are read by no other case.
+BEFORE_ANY_BAR = [
+    ("unsupported_file_after_a_readable_one",
+     ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/table.csv]"],
+     "error: data.paths: {tmp}/table.csv has an unsupported extension; use one of .txt, .md, "
+     ".jsonl"),
+]  # fmt: skip
+# What tqdm draws of a bar, whichever library's: its time and rate, "[00:01<00:02, ..."
+PROGRESS_BAR = re.compile(r"\[\d\d:\d\d[<,]")
+
 
 class RunsCode:
     """Unpickling this runs a shell command that creates `marker`."""
@@ -267,6 +280,8 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     last = (trained_run / "checkpoints" / "last.ckpt").read_bytes()
     (tmp / "truncated.ckpt").write_bytes(last[: len(last) // 2])
     (tmp / "prompt.txt").write_text("ROMEO:")
+    (tmp / "lines.txt").write_text("\n\n".join(f"line {i}" for i in range(300)))
+    (tmp / "table.csv").write_text("a,b\n1,2\n")
     export(ExportOptions(ckpt=str(trained_run), out=str(tmp / "export_of_run")))
     return {"tmp": tmp, "run": trained_run, "cache": shared_cache}
 
@@ -284,6 +299,18 @@ def test_bad_input_gets_one_line_and_status_1(inputs, tmp_path, script, override
     result = run_script(script, *overrides, cache_dir=inputs["cache"])
     assert_refused(result, fill(message))
     assert not (inputs["tmp"] / "pwned").exists(), "a checkpoint ran code"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("overrides", "message"), [c[1:] for c in BEFORE_ANY_BAR],
+                         ids=[c[0] for c in BEFORE_ANY_BAR])  # fmt: skip
+def test_data_mistakes_are_refused_before_any_progress_bar(inputs, tmp_path, overrides, message):
+    overrides = [o.format(tmp=inputs["tmp"]) for o in overrides]
+    run_dir = f"hydra.run.dir={tmp_path / 'failed_run'}"
+    result = run_script("train.py", *overrides, "logger=none", run_dir, cache_dir=inputs["cache"])
+    assert_refused(result, "error: ")
+    assert message.format(tmp=inputs["tmp"]) in result.stderr.splitlines()[-1]
+    assert not PROGRESS_BAR.search(result.stdout + result.stderr), result.stderr[-3000:]
 
 
 @pytest.mark.slow
