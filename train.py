@@ -80,14 +80,16 @@ gc.freeze()
 gc.enable()
 
 
-def prepare_data(plan: Plan, datamodule: DataModule) -> None:
-    """Tokenize (or reuse the cache), with a resumed run's tokenizer, and check the end-of-run
-    sample's prompt against it. Every rank prepares the data itself (one builds the cache
-    entry, the others wait for it), so the vocabulary is the same everywhere."""
+def prepare_data(plan: Plan, datamodule: DataModule, world_size: int) -> None:
+    """Tokenize (or reuse the cache), with a resumed run's tokenizer, and check that the
+    training data fills a batch on each of the world_size processes and the end-of-run sample's
+    prompt against it. Every rank prepares the data itself (one builds the cache entry, the
+    others wait for it), so the vocabulary is the same everywhere."""
     if plan.resume.saved_tokenizer is not None and isinstance(datamodule, LMDataModule):
         datamodule.use_tokenizer(tokenizer_from_dict(plan.resume.saved_tokenizer))
     datamodule.prepare_data()
     datamodule.setup("fit")
+    datamodule.check_batches(world_size)
     if isinstance(datamodule, LMDataModule):
         given = "sample.prompt" in {override_key(o) for o in plan.resume.overrides}
         plan.sample = checked_sample(plan.sample, datamodule.tokenizer, datamodule, given)
@@ -182,7 +184,7 @@ def fit(cfg: DictConfig) -> float | None:
         datamodule = instantiate_checked(plan.cfg.data)
         trainer, stop = build_trainer(plan)
         L.seed_everything(plan.cfg.seed, workers=True)
-        prepare_data(plan, datamodule)
+        prepare_data(plan, datamodule, trainer.world_size)
         module = build_module(plan, datamodule.tokenizer)
     if trainer.is_global_zero:
         datamodule.tokenizer.save(Path(plan.run_dir) / "tokenizer.json")

@@ -229,6 +229,17 @@ class CachedDataModule(L.LightningDataModule):
     def _load(self, entry: Path) -> dict:
         raise NotImplementedError
 
+    def train_dataset(self) -> Dataset:
+        """The training examples, which train_dataloader batches."""
+        raise NotImplementedError
+
+    def check_batches(self, world_size: int) -> None:
+        """The training examples fill a batch on each of `world_size` processes, by the training
+        sampler's own test, once the data is set up: Lightning makes the training loader only
+        after its sanity check has validated under a progress bar."""
+        examples, batch_size = len(self.train_dataset()), self.config.batch_size
+        ResumableShuffle(examples, batch_size, seed=0, world_size=world_size)
+
     def prepare_data(self) -> None:
         self.cache_hit = build_once(self.cache_entry, self._build)
 

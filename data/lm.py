@@ -321,10 +321,12 @@ class LMDataModule(CachedDataModule):
         fix = " or raise data.val_fraction" if split == "val" and carved else ""
         raise ValueError(f"{needs}; lower data.block_size{fix}")
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataset(self) -> TokenBlocks:
         # Every offset starts a training block; overlapping blocks are distinct examples.
-        blocks = TokenBlocks(self._split("train"), self.config.block_size, stride=1)
-        return self._loader(blocks, train=True, collate_fn=whole_batch)
+        return TokenBlocks(self._split("train"), self.config.block_size, stride=1)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset(), train=True, collate_fn=whole_batch)
 
     def val_dataloader(self) -> DataLoader:
         # Non-overlapping blocks score each validation token once per epoch.

@@ -125,15 +125,18 @@ class Seq2SeqDataModule(CachedDataModule):
     def eos_id(self) -> int:
         return self.tokenizer.eos_id
 
-    def _pair_loader(self, split: str, train: bool) -> DataLoader:
+    def _pair_loader(self, pairs: PairDataset, train: bool) -> DataLoader:
         collate = partial(collate_pairs, pad_id=self.pad_id, bos_id=self.bos_id, eos_id=self.eos_id)
-        return self._loader(PairDataset(*self._split(split)), train, collate)
+        return self._loader(pairs, train, collate)
+
+    def train_dataset(self) -> PairDataset:
+        return PairDataset(*self._split("train"))
 
     def train_dataloader(self) -> DataLoader:
-        return self._pair_loader("train", train=True)
+        return self._pair_loader(self.train_dataset(), train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._pair_loader("val", train=False)
+        return self._pair_loader(PairDataset(*self._split("val")), train=False)
 
     def val_pairs(self, n: int) -> list[tuple[list[int], list[int]]]:
         """The first n (or all, if fewer) validation pairs in evaluation's fixed order (the

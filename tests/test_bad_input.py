@@ -249,12 +249,17 @@ CASES = [
 
 # train.py's mistakes in data.* that only reading the data finds, refused in one line that holds
 # the message before any progress bar (`datasets`' reading the files, Lightning's): files checked
-# with the config. Their files are read by no other case.
+# with the config, the batch before the sanity check. The default corpus is prepared already (the
+# trained run's); the files are read by no other case.
 BEFORE_ANY_BAR = [
     ("unsupported_file_after_a_readable_one",
      ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/table.csv]"],
      "error: data.paths: {tmp}/table.csv has an unsupported extension; use one of .txt, .md, "
      ".jsonl"),
+    # after the number of training examples, which the version of the plays sets
+    ("batch_larger_than_the_data", ["data.batch_size=100000000"],
+     " training examples make no full batch of data.batch_size=100000000 on each of 1 "
+     "process(es): lower data.batch_size or add data"),
 ]  # fmt: skip
 # What tqdm draws of a bar, whichever library's: its time and rate, "[00:01<00:02, ..."
 PROGRESS_BAR = re.compile(r"\[\d\d:\d\d[<,]")
