@@ -184,7 +184,11 @@ class LMDataModule(CachedDataModule):
             min_tail = c.block_size + 1  # any text of two blocks trains: val gets one
         else:
             title = hub_title(c.name, c.config)
-            splits = load_hub(c.name, c.config, cache_dir, c.streaming)
+            wanted = {"train": "data.name"}  # the splits read, checked before their rows are
+            if c.val_split:
+                wanted[c.val_split] = "data.val_split"
+            text = {c.text_column: "data.text_column"}
+            splits = load_hub(c.name, c.config, cache_dir, c.streaming, splits=wanted, columns=text)
             docs = hub_text(splits, "train", c.text_column, title, "data.name")
             val_split, shown = hub_val_split(splits, c.val_split, c.val_fraction, title)
             print(f"data=hub: validating on {shown}")

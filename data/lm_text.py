@@ -249,7 +249,12 @@ def eval_documents(c: LMDataConfig) -> tuple[list[str], str]:
         ]
         return tails, f"the embedded plays' validation split (data.val_fraction={c.val_fraction})"
     title = hub_title(c.name, c.config)
-    splits = load_hub(c.name, c.config, cache_dir, c.streaming)
+    if c.split == "test":  # the split read, checked before its rows are (see load_hub)
+        wanted = {c.test_split or "test": "data.test_split"}
+    else:
+        wanted = {c.val_split: "data.val_split"} if c.val_split else {}
+    text = {c.text_column: "data.text_column"}
+    splits = load_hub(c.name, c.config, cache_dir, c.streaming, splits=wanted, columns=text)
     if c.split == "test":
         name = c.test_split or "test"
         docs = hub_text(splits, name, c.text_column, title, "data.test_split")

@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data.sources import datasets_cache_for, expand_paths, hub_split, hub_title, load_hub
+from data.sources import (
+    check_column,
+    datasets_cache_for,
+    expand_paths,
+    hub_split,
+    hub_title,
+    load_hub,
+)
 
 if TYPE_CHECKING:  # it imports this module
     from data.seq2seq_text import Seq2SeqDataConfig
@@ -158,7 +165,16 @@ def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
     if c.hub_name:
         name = hub_title(c.hub_name, c.hub_config)
         fix = "data=pairs data.paths=[pairs.jsonl]"
-        splits = load_hub(c.hub_name, c.hub_config, c.cache_dir, key="data.hub_name", local_fix=fix)
+        columns = {c.source_column: "data.source_column", c.target_column: "data.target_column"}
+        splits = load_hub(
+            c.hub_name,
+            c.hub_config,
+            c.cache_dir,
+            key="data.hub_name",
+            local_fix=fix,
+            splits={"train": "data.hub_name"},
+            columns=columns,
+        )
         ds = hub_split(splits, "train", name, "data.hub_name")
     else:
         files = expand_paths(c.paths, list(FILE_FORMATS))
@@ -171,12 +187,7 @@ def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
             file_format(files), data_files=data_files, split="train", cache_dir=hf_cache
         )
     for key in ("source_column", "target_column"):
-        column = getattr(c, key)
-        if column not in ds.column_names:
-            raise ValueError(
-                f"data.{key}={column!r} is not a column of {name}; "
-                f"available columns: {ds.column_names}; set data.{key}"
-            )
+        check_column(ds.column_names, getattr(c, key), name, f"data.{key}")
     rows = [
         (str(s), str(t))
         for s, t in zip(ds[c.source_column], ds[c.target_column], strict=True)

@@ -10,7 +10,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -254,14 +254,20 @@ def datasets_cache_for(files: Sequence[Path], cache_dir: str | os.PathLike) -> s
     return str(Path(cache_dir) / "hf" / "files" / digest)
 
 
+def check_column(names: Collection[str], column: str, where: str, key: str) -> None:
+    """`column` is one of `names`, the columns of `where`; else an error naming `key`, the
+    option that gave it."""
+    if column not in names:
+        raise ValueError(
+            f"{key}={column!r} is not a column of {where}; available columns: {list(names)}; "
+            f"set {key}"
+        )
+
+
 def _with_text_column(ds, column: str, where: str):
     """`ds` reduced to one string column named "text"."""
-    names = ds.column_names
-    if names is not None and column not in names:
-        raise ValueError(
-            f"data.text_column={column!r} is not a column of {where}; "
-            f"available columns: {names}; set data.text_column"
-        )
+    if ds.column_names is not None:  # a stream may not know them
+        check_column(ds.column_names, column, where, "data.text_column")
     ds = ds.select_columns([column])
     return ds if column == "text" else ds.rename_column(column, "text")
 
@@ -312,21 +318,48 @@ def load_hub(
     streaming: bool = False,
     key: str = "data.name",
     local_fix: str = "data=text_files 'data.paths=[corpus/*.txt]'",
-) -> "datasets.DatasetDict | datasets.IterableDatasetDict":
+    splits: dict[str, str] | None = None,
+    columns: dict[str, str] | None = None,
+) -> "HubSplits":
     """Every split of a Hugging Face Hub dataset, by name (a directory laid out as a Hub dataset
     repository, data/<split>-*.parquet, loads the same way); offline, an error that names the
-    config `key` and `local_fix`, the way to use local files instead."""
+    config `key` and `local_fix`, the way to use local files instead.
+
+    `splits` and `columns` ({name: the option that asks for it}) are what the caller reads of
+    it: checked before a row is read, where the dataset's metadata or its files' names tell, so
+    that a typo fails at once rather than after a download under progress bars."""
     import datasets
 
+    title = hub_title(name, config)
     try:
-        return datasets.load_dataset(
-            name, config, streaming=streaming, cache_dir=str(Path(cache_dir) / "hf")
-        )
+        # datasets.load_dataset's steps, with the checks between the metadata and the rows (it
+        # also keeps a dataset under HF_DATASETS_IN_MEMORY_MAX_SIZE, unset by default, in memory)
+        builder = datasets.load_dataset_builder(name, config, cache_dir=str(Path(cache_dir) / "hf"))
+        _check_before_reading(builder, title, splits or {}, columns or {})
+        if streaming:
+            return builder.as_streaming_dataset()
+        builder.download_and_prepare()
+        return builder.as_dataset()
     except ConnectionError as err:  # what `datasets` raises when the Hub does not answer
         raise ValueError(
-            f"{key}: cannot download {hub_title(name, config)}: the Hugging Face Hub is "
-            f"unreachable (offline); use local files instead: {local_fix}"
+            f"{key}: cannot download {title}: the Hugging Face Hub is unreachable (offline); use "
+            f"local files instead: {local_fix}"
         ) from err
+
+
+def _check_before_reading(
+    builder: "datasets.DatasetBuilder", title: str, splits: dict[str, str], columns: dict[str, str]
+) -> None:
+    """load_hub's checks of `splits` and `columns`: against the splits its files make (the
+    builder names each split after its files, data/<split>-*.parquet), else those of its
+    metadata, and the columns of its metadata; what neither tells is checked once the rows are
+    read."""
+    if known_splits := builder.config.data_files or builder.info.splits:
+        for split, asked_by in splits.items():
+            check_split(known_splits, split, title, asked_by)
+    if builder.info.features is not None:
+        for column, asked_by in columns.items():
+            check_column(builder.info.features, column, f"the Hub dataset {title}", asked_by)
 
 
 def hub_title(name: str, config: str | None) -> str:
@@ -334,13 +367,18 @@ def hub_title(name: str, config: str | None) -> str:
     return name + (f" ({config})" if config else "")
 
 
-def hub_split(splits: "HubSplits", split: str, title: str, key: str) -> "HubSplit":
-    """Split `split` of a loaded Hub dataset; one it lacks is an error naming `key`, the option
-    that asked for it, and the splits there are."""
-    if split not in splits:
+def check_split(names: Collection[str], split: str, title: str, key: str) -> None:
+    """`split` is one of `names`, the splits of the Hub dataset `title`; else an error naming
+    `key`, the option that asked for it, and the splits there are."""
+    if split not in names:
         raise ValueError(
-            f"{key}: {title} has no split named {split!r}; its splits are {list(splits)}"
+            f"{key}: {title} has no split named {split!r}; its splits are {list(names)}"
         )
+
+
+def hub_split(splits: "HubSplits", split: str, title: str, key: str) -> "HubSplit":
+    """Split `split` of a loaded Hub dataset, checked by check_split."""
+    check_split(splits, split, title, key)
     return splits[split]
 
 

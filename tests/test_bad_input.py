@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from export import ExportOptions, export
-from helpers import SMALLEST_BASE, read_only, run_script
+from helpers import SMALLEST_BASE, read_only, run_script, write_hub_dataset
 from training.module import LanguageModelModule
 
 # (id, script, overrides, what the message says). {tmp} is this module's folder of inputs,
@@ -249,13 +249,19 @@ CASES = [
 
 # train.py's mistakes in data.* that only reading the data finds, refused in one line that holds
 # the message before any progress bar (`datasets`' reading the files, Lightning's): files checked
-# with the config, the batch before the sanity check. The default corpus is prepared already (the
-# trained run's); the files are read by no other case.
+# with the config, a Hub dataset's splits by its files' names and its columns by its card, the
+# batch before the sanity check. The default corpus is prepared already (the trained run's); the
+# others are read by no other case.
 BEFORE_ANY_BAR = [
     ("unsupported_file_after_a_readable_one",
      ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/table.csv]"],
      "error: data.paths: {tmp}/table.csv has an unsupported extension; use one of .txt, .md, "
      ".jsonl"),
+    ("hub_split_not_there", ["data=hub", "data.name={tmp}/hub", "data.val_split=dev"],
+     "error: data.val_split: {tmp}/hub has no split named 'dev'; its splits are ['train', 'test']"),
+    ("hub_column_not_there", ["data=hub", "data.name={tmp}/carded_hub", "data.text_column=body"],
+     "error: data.text_column='body' is not a column of the Hub dataset {tmp}/carded_hub; "
+     "available columns: ['text']; set data.text_column"),
     # after the number of training examples, which the version of the plays sets
     ("batch_larger_than_the_data", ["data.batch_size=100000000"],
      " training examples make no full batch of data.batch_size=100000000 on each of 1 "
@@ -263,6 +269,10 @@ BEFORE_ANY_BAR = [
 ]  # fmt: skip
 # What tqdm draws of a bar, whichever library's: its time and rate, "[00:01<00:02, ..."
 PROGRESS_BAR = re.compile(r"\[\d\d:\d\d[<,]")
+
+
+# A dataset card that declares the columns, as a Hub dataset's README does
+CARD = "---\ndataset_info:\n  features:\n  - name: text\n    dtype: string\n---\n"
 
 
 class RunsCode:
@@ -287,6 +297,9 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     (tmp / "prompt.txt").write_text("ROMEO:")
     (tmp / "lines.txt").write_text("\n\n".join(f"line {i}" for i in range(300)))
     (tmp / "table.csv").write_text("a,b\n1,2\n")
+    for hub in ("hub", "carded_hub"):
+        write_hub_dataset(tmp / hub, {"train": ["some text"] * 300, "test": ["more"] * 30})
+    (tmp / "carded_hub" / "README.md").write_text(CARD)
     export(ExportOptions(ckpt=str(trained_run), out=str(tmp / "export_of_run")))
     return {"tmp": tmp, "run": trained_run, "cache": shared_cache}
 
