@@ -33,7 +33,7 @@ from data.tokenizer import tokenizer_from_dict
 from errors import exit_on_user_error
 from training.attention_maps import finish_maps, finish_maps_later
 from training.checkpoint_io import DurableCheckpointIO, claim_run_dir
-from training.errors import (
+from training.failures import (
     TRAIN_ERRORS,
     instantiate_checked,
     optimizer_state_mismatch,

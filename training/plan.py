@@ -15,7 +15,7 @@ from kinds import ModelKind, kind_of
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
-from training.errors import instantiate_checked, target_of
+from training.failures import instantiate_checked, target_of
 from training.guard import check_nonfinite_action
 from training.module import OptimConfig, TrainingModule
 from training.resume import Resume, override_key, prepare_resume

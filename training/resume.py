@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.tokenizer import BPETokenizer, CharTokenizer
 from kinds import KINDS, kind_of
 from model.checkpoint import find_checkpoint, load_safely
-from training.errors import TRAIN_ERRORS
+from training.failures import TRAIN_ERRORS
 from training.summary import print_once
 
 # Settings a resumed run may not change: they decide what the restored state means.

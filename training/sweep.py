@@ -15,7 +15,7 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from training.errors import TRAIN_ERRORS
+from training.failures import TRAIN_ERRORS
 from training.guard import TrainingDiverged
 from training.summary import run_summary, write_summary
 
