@@ -1,6 +1,6 @@
 """What ends a training run with a one-line message rather than a traceback: the user's
-mistakes (errors.py's USER_ERRORS), Lightning's config errors, a diverged run, and memory
-running out."""
+mistakes (errors.py's USER_ERRORS), config nodes whose Hydra target cannot be imported or takes
+no such key, Lightning's config errors, a diverged run, and memory running out."""
 
 import inspect
 import logging
