@@ -77,8 +77,8 @@ CASES = [
     # validation, or keep the worst checkpoint
     ("unknown_monitor", "train.py", ["callbacks.model_checkpoint.monitor=val/foo"],
      "error: callbacks.model_checkpoint.monitor must be a metric that validation logs for the "
-     "gpt model (val/loss, val/perplexity, val/best_loss, val/bits_per_char) or null (keep the "
-     "latest checkpoint only), got 'val/foo'"),
+     "gpt model (val/loss, val/perplexity, val/best_loss, val/bits_per_char), step or epoch, or "
+     "null (keep the latest checkpoint only), got 'val/foo'"),
     ("monitor_a_training_metric", "train.py", ["callbacks.model_checkpoint.monitor=train/loss"],
      "error: callbacks.model_checkpoint.monitor must be a metric that validation logs for the "
      "gpt model (val/loss, "),
@@ -86,7 +86,7 @@ CASES = [
      ["model=encdec", "callbacks.model_checkpoint.monitor=val/bits_per_char"],
      "error: callbacks.model_checkpoint.monitor must be a metric that validation logs for the "
      "encdec model (val/loss, val/perplexity, val/best_loss, val/token_accuracy, "
-     "val/exact_match, val/cer) or null"),
+     "val/exact_match, val/cer), step or epoch, or null"),
     ("monitor_the_wrong_way", "train.py",
      ["model=encdec", "callbacks.model_checkpoint.monitor=val/exact_match"],
      "error: callbacks.model_checkpoint.mode must be max for val/exact_match (its highest is its "
@@ -98,7 +98,7 @@ CASES = [
      ["+callbacks.early_stop._target_=lightning.pytorch.callbacks.EarlyStopping",
       "+callbacks.early_stop.monitor=val/foo"],
      "error: callbacks.early_stop.monitor must be a metric that validation logs for the gpt model "
-     "(val/loss, val/perplexity, val/best_loss, val/bits_per_char), got 'val/foo'"),
+     "(val/loss, val/perplexity, val/best_loss, val/bits_per_char), step or epoch, got 'val/foo'"),
     # no option takes an infinite number: the run would end in NaN a step later
     ("infinite_lr", "train.py", ["optim.lr=inf"],
      "error: optim.lr must be a finite number, got inf"),

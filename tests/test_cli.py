@@ -119,6 +119,27 @@ def test_a_run_that_monitors_no_metric_keeps_and_samples_its_latest_checkpoint(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "monitoring",
+    [
+        # the latest checkpoints, by Lightning's step counter
+        ["callbacks.model_checkpoint.monitor=step", "callbacks.model_checkpoint.mode=max"],
+        # a checkpoint chosen while training may judge by a training metric
+        [
+            "callbacks.model_checkpoint.monitor=train/loss",
+            "+callbacks.model_checkpoint.every_n_train_steps=2",
+            "trainer.log_every_n_steps=1",
+        ],
+    ],
+    ids=["step", "train_loss_every_2_steps"],
+)
+def test_monitors_that_lightning_takes_are_taken(tmp_path, shared_cache, monitoring):
+    overrides = [*SMALLEST, "trainer.max_steps=4", "trainer.val_check_interval=2", *monitoring]
+    run_dir = train_run(tmp_path / "run", *overrides, cache_dir=shared_cache)
+    assert list((run_dir / "checkpoints").glob("best*.ckpt"))
+
+
+@pytest.mark.slow
 def test_a_run_that_monitors_another_metric_still_reports_its_best_loss(tmp_path, shared_cache):
     """summary.json's best_val_loss, and what train() returns to a sweeper, is the loss whatever
     the checkpoint monitors: here perplexity, whose best is another number."""

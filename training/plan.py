@@ -120,28 +120,40 @@ def check_fits_data(kind: ModelKind, data: DictConfig, choices: dict) -> None:
         )
 
 
+# What a callback may judge by besides the validation metrics: the counters Lightning adds to
+# every set of candidates (monitor=step mode=max keeps the latest checkpoints).
+COUNTERS = ("step", "epoch")
+# A callback's options under which it judges while training rather than at validations: by the
+# training metrics too, as Lightning's own check allows then.
+JUDGES_WHILE_TRAINING = ("every_n_train_steps", "train_time_interval", "check_on_train_epoch_end")
+
+
 def check_monitored_metrics(callbacks: DictConfig | None, kind: ModelKind) -> None:
-    """Each callback that judges the run by a metric (the checkpoint's `monitor`, an early
-    stop's) names one that this kind's validation logs, and its `mode` is the way that metric
-    improves. Lightning would find a missing name only at the first validation, after the
-    training before it, and under the wrong mode would keep the worst checkpoint without a word.
-    Training metrics are refused too: such callbacks decide at each validation, where a training
-    metric holds the value of the last step that logged (every trainer.log_every_n_steps), or
-    none yet."""
+    """Each callback that judges the run by a metric at validations (the checkpoint's
+    `monitor`, an early stop's) names one that this kind's validation logs, or a counter, and
+    for a metric its `mode` is the way that metric improves. Lightning would find a missing name
+    only at the first validation, after the training before it, and under the wrong mode would
+    keep the worst checkpoint without a word. Training metrics are refused there too: at a
+    validation a training metric holds the value of the last step that logged (every
+    trainer.log_every_n_steps), or none yet."""
     metrics = get_class(kind.module).validation_metrics
     for name, callback in (callbacks or {}).items():
         if not isinstance(callback, DictConfig) or "monitor" not in callback:
             continue
+        if any(callback.get(option) for option in JUDGES_WHILE_TRAINING):
+            continue
         key, monitor = f"callbacks.{name}", callback.monitor
+        target = target_of(callback)
         # a checkpoint callback that monitors nothing keeps the latest checkpoint
-        keeps_latest = issubclass(target_of(callback), ModelCheckpoint)
-        if monitor is None and keeps_latest:
+        keeps_latest = isinstance(target, type) and issubclass(target, ModelCheckpoint)
+        if monitor in COUNTERS or (monitor is None and keeps_latest):
             continue
         check(
             monitor in metrics,
             f"{key}.monitor",
-            f"a metric that validation logs for the {kind.name} model ({', '.join(metrics)})"
-            + (" or null (keep the latest checkpoint only)" if keeps_latest else ""),
+            f"a metric that validation logs for the {kind.name} model ({', '.join(metrics)}), "
+            f"{' or '.join(COUNTERS)}"
+            + (", or null (keep the latest checkpoint only)" if keeps_latest else ""),
             monitor,
         )
         best, mode = metrics[monitor], callback.get("mode", "min")  # Lightning's default mode
