@@ -93,7 +93,8 @@ def is_export(path: Path) -> bool:
 
 def run_dir_of(folder: Path) -> Path | None:
     """The run directory (as train.py makes one) that `folder` is, or whose checkpoints/ folder
-    it is; None if neither. Where evaluate.py and export.py write, a run's files could be lost."""
+    it is; None if neither. Any existing folder named checkpoints counts as a run's. Where
+    evaluate.py and export.py write, a run's files could be lost."""
     if folder.name == "checkpoints" and folder.is_dir():
         return folder.parent
     if (folder / "checkpoints").is_dir() or (folder / ".hydra").is_dir():

@@ -88,7 +88,8 @@ def test_the_table_of_kinds_names_every_model_and_data_config():
 
     assert set(KINDS) == set(MODELS)
     for kind in KINDS.values():
-        assert issubclass(get_class(kind.module), TrainingModule)
+        module = get_class(kind.module)
+        assert issubclass(module, TrainingModule) and module.kind == kind.name
         datamodule = get_class(kind.datamodule)
         assert issubclass(datamodule, LightningDataModule)
         assert all(key in kind.data_options.__dataclass_fields__ for key in kind.lengths)

@@ -196,8 +196,10 @@ def check_accelerator(accelerator: object) -> None:
     if accelerator not in ACCELERATORS:
         return
     found, device, machine = ACCELERATORS[accelerator]
+    # Lightning's "gpu" is an Apple GPU where there is one, else CUDA's
+    apple_gpu = accelerator == "gpu" and MPSAccelerator.is_available()
     check(
-        found.is_available(),
+        found.is_available() or apple_gpu,
         "trainer.accelerator",
         f"cpu or auto where torch finds no {device} (use trainer=cpu or trainer=ddp_cpu, or "
         f"{machine})",
