@@ -478,3 +478,22 @@ def test_a_key_a_run_added_that_the_configs_have_gained_since_resumes_with_its_v
     ]
     cfg = composed(*resumed_overrides(["+sample.top_p=0.5"], ["trainer.max_steps=9"]))
     assert cfg.sample.top_p == 0.5 and cfg.trainer.max_steps == 9
+
+
+@pytest.mark.slow
+def test_a_run_recorded_with_beam_options_resumes(tmp_path):
+    """Code before 2026-11-27 took +sample.beam_size (and ignored it: the end-of-run sample does
+    not beam search); a run it recorded so still resumes, where a new run is refused the key."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    first = [*SMALLEST, "trainer.max_steps=2", "trainer.val_check_interval=2", "logger=none"]
+    assert run_training(cache, *first, f"hydra.run.dir={run_dir}").returncode == 0
+    last = run_dir / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    checkpoint["hyper_parameters"]["run_config"]["overrides"].append("+sample.beam_size=4")
+    torch.save(checkpoint, last)
+    result = run_training(cache, f"ckpt_path={run_dir}", "trainer.max_steps=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "++sample.beam_size=4" in result.stdout
+    new_run = f"hydra.run.dir={tmp_path / 'new'}"
+    refused = run_training(cache, *first, "+sample.beam_size=4", new_run)
+    assert refused.returncode == 1 and "error: sample.beam_size is not an option" in refused.stderr

@@ -40,12 +40,14 @@ GENERATE_ONLY = {
     "cuda_graph": "false",
     "compile": "false",
 }
-# The options the end-of-run sample takes: generate.py's, less those above and beam search's
-# (decoding=beam is generate.py's alone), which it would ignore.
+# beam search's options: decoding=beam is generate.py's alone, so the end-of-run sample would
+# ignore them
+BEAM_OPTIONS = ("beam_size", "length_penalty")
+# The options the end-of-run sample takes: generate.py's, less those above.
 END_OF_RUN_SAMPLE_OPTIONS = [
     field.name
     for field in dataclasses.fields(SamplingConfig)
-    if field.name not in (*GENERATE_ONLY, "beam_size", "length_penalty")
+    if field.name not in (*GENERATE_ONLY, *BEAM_OPTIONS)
 ]
 
 
@@ -105,7 +107,10 @@ def check_options(cfg: DictConfig) -> Plan:
         kind,
         model=instantiate_checked(cfg.model),
         optim=config_from(OptimConfig, cfg.optim, "optim.", "optim"),
-        sample=end_of_run_sample(OmegaConf.to_container(cfg.sample, resolve=True)),
+        sample=end_of_run_sample(
+            OmegaConf.to_container(cfg.sample, resolve=True),
+            {override_key(o) for o in HydraConfig.get().overrides.task},
+        ),
     )
 
 
@@ -247,9 +252,10 @@ def check_trainer_options(trainer: DictConfig) -> None:
     )
 
 
-def end_of_run_sample(options: dict) -> SamplingConfig:
+def end_of_run_sample(options: dict, given_now: set[str]) -> SamplingConfig:
     """train.py's `sample.*`: generate.py's sampling options, less those the end-of-run sample
-    cannot honour, which would otherwise fail or be ignored only once the run is over."""
+    cannot honour, which would otherwise fail or be ignored only once the run is over.
+    `given_now` are the keys this command's overrides set (not a resumed run's record)."""
     for key, off in GENERATE_ONLY.items():
         if options.get(key) not in (None, False):
             raise ValueError(
@@ -262,8 +268,11 @@ def end_of_run_sample(options: dict) -> SamplingConfig:
             "sample.decoding='beam' is for generate.py on an encoder-decoder; the end-of-run "
             "sample is sample or greedy"
         )
-    # generate.py's options, turned off, pass (a resumed run's record may hold them); the
-    # message lists only the end-of-run sample's own
-    given = options.keys() - GENERATE_ONLY.keys()
+    # generate.py's options, turned off, pass (a resumed run's record may hold them), and so do
+    # beam search's from such a record: the code that started the run took them, and ignored
+    # them, and a run that cannot be resumed would be lost. The message lists only the
+    # end-of-run sample's own options.
+    recorded = {key for key in BEAM_OPTIONS if f"sample.{key}" not in given_now}
+    given = options.keys() - GENERATE_ONLY.keys() - recorded
     check_known(given, END_OF_RUN_SAMPLE_OPTIONS, "sample.", "sample")
     return SamplingConfig(**options, key_prefix="sample.")
