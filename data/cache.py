@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
 from data.files import disk_full_cause
-from data.sampler import RankShard, ResumableLoader, ResumableShuffle
+from data.sampler import RankShard, ResumableLoader, ResumableShuffle, batches_per_epoch
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from errors import check_writable
 
@@ -237,8 +237,7 @@ class CachedDataModule(L.LightningDataModule):
         """The training examples fill a batch on each of `world_size` processes, by the training
         sampler's own test, once the data is set up: Lightning makes the training loader only
         after its sanity check has validated under a progress bar."""
-        examples, batch_size = len(self.train_dataset()), self.config.batch_size
-        ResumableShuffle(examples, batch_size, seed=0, world_size=world_size)
+        batches_per_epoch(len(self.train_dataset()), self.config.batch_size, world_size)
 
     def prepare_data(self) -> None:
         self.cache_hit = build_once(self.cache_entry, self._build)

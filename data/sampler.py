@@ -37,6 +37,18 @@ def evaluation_order(size: int) -> list[int]:
     return torch.randperm(size, generator=torch.Generator().manual_seed(EVALUATION_SEED)).tolist()
 
 
+def batches_per_epoch(size: int, batch_size: int, world_size: int) -> int:
+    """The full batches of `batch_size` that `size` training examples give each of `world_size`
+    processes in an epoch; none is a one-line error."""
+    batches = size // world_size // batch_size
+    if batches == 0:
+        raise ValueError(
+            f"{size} training examples make no full batch of data.batch_size={batch_size} "
+            f"on each of {world_size} process(es): lower data.batch_size or add data"
+        )
+    return batches
+
+
 class ResumableShuffle(Sampler[int]):
     """A fresh permutation of the dataset every epoch, the next one of the seed's random stream
     (see SEED_STREAM), split among the ranks of a distributed run, and started at any batch.
@@ -63,12 +75,7 @@ class ResumableShuffle(Sampler[int]):
         start_epoch: int = 0,
     ) -> None:
         self.per_rank = size // world_size
-        self.batches_per_epoch = self.per_rank // batch_size
-        if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"{size} training examples make no full batch of data.batch_size={batch_size} "
-                f"on each of {world_size} process(es): lower data.batch_size or add data"
-            )
+        self.batches_per_epoch = batches_per_epoch(size, batch_size, world_size)
         self.size, self.batch_size, self.seed = size, batch_size, seed
         self.rank, self.world_size = rank, world_size
         batches_before = start_epoch * self.batches_per_epoch + start_batch
