@@ -11,6 +11,7 @@ imported."""
 
 from dataclasses import dataclass
 
+from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from data.lm_text import LMDataConfig
@@ -38,6 +39,11 @@ class ModelKind:
     def config(self) -> type:
         """The model's config class."""
         return MODELS[self.name][0]
+
+    @property
+    def module_class(self) -> type:
+        """The LightningModule class, imported only here, on the training side's first use."""
+        return get_class(self.module)
 
 
 KINDS = {

@@ -104,7 +104,7 @@ def build_module(plan: Plan, tokenizer) -> L.LightningModule:
     run_config = OmegaConf.to_container(plan.cfg, resolve=True)
     run_config["model"]["vocab_size"] = model.vocab_size
     run_config.update(plan.resume.record())
-    module = plan.module_class(
+    module = plan.kind.module_class(
         model=model.to_dict(),
         optim=dataclasses.asdict(plan.optim),
         tokenizer=tokenizer.to_dict(),

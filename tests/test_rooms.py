@@ -88,7 +88,7 @@ def test_the_table_of_kinds_names_every_model_and_data_config():
 
     assert set(KINDS) == set(MODELS)
     for kind in KINDS.values():
-        module = get_class(kind.module)
+        module = kind.module_class
         assert issubclass(module, TrainingModule) and module.kind == kind.name
         datamodule = get_class(kind.datamodule)
         assert issubclass(datamodule, LightningDataModule)

@@ -5,7 +5,6 @@ import dataclasses
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class
 from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator, XLAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
@@ -17,7 +16,7 @@ from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
 from training.failures import instantiate_checked, target_of
 from training.guard import check_nonfinite_action
-from training.module import OptimConfig, TrainingModule
+from training.module import OptimConfig
 from training.resume import Resume, override_key, prepare_resume
 from training.sweep import in_sweep
 
@@ -68,11 +67,6 @@ class Plan:
     @property
     def run_dir(self) -> str:
         return self.resume.cfg.paths.output_dir
-
-    @property
-    def module_class(self) -> type[TrainingModule]:
-        """The LightningModule that trains this kind of model."""
-        return get_class(self.kind.module)
 
 
 def check_options(cfg: DictConfig) -> Plan:
@@ -141,7 +135,7 @@ def check_monitored_metrics(callbacks: DictConfig | None, kind: ModelKind) -> No
     keep the worst checkpoint without a word. Training metrics are refused there too: at a
     validation a training metric holds the value of the last step that logged (every
     trainer.log_every_n_steps), or none yet."""
-    metrics = get_class(kind.module).validation_metrics
+    metrics = kind.module_class.validation_metrics
     for name, callback in (callbacks or {}).items():
         if not isinstance(callback, DictConfig) or "monitor" not in callback:
             continue

@@ -12,7 +12,6 @@ from pathlib import Path
 import lightning as L
 import yaml
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
@@ -27,7 +26,7 @@ from training.sweep import in_sweep
 BEST = {
     name: way
     for kind in KINDS.values()
-    for name, way in get_class(kind.module).validation_metrics.items()
+    for name, way in kind.module_class.validation_metrics.items()
     if name != "val/best_loss"
 }
 
