@@ -1,6 +1,7 @@
 """A run's start: importing train.py runs no full collection over the heap the imports build, and
-leaves collection on with that heap frozen out of later ones (and out of the one at exit); and
-starting W&B does not import W&B Launch unless Launch inputs may have been staged."""
+leaves collection on with that heap frozen out of later ones (and out of the one at exit);
+starting W&B does not import W&B Launch unless Launch inputs may have been staged; and a W&B
+run started in the background has imported what logging its first attention map needs."""
 
 import os
 import subprocess
@@ -150,3 +151,38 @@ finish_wandb()
 def test_a_logger_starting_in_the_background_can_be_copied_to_another_process(tmp_path):
     # the copy names the run, started first, and has no starter of its own
     assert wandb_probe(PICKLE_PROBE, str(tmp_path)) == ["True", "False"]
+
+
+# An offline run started in the background, then an attention map (a tiny PNG written by hand:
+# the drawing process's pictures never pass through this one) logged as the training thread
+# logs it; the modules that log call imported.
+IMAGE_PROBE = """
+import struct, sys, zlib
+from pathlib import Path
+from training.wandb_run import WandbLogger, finish_wandb
+
+
+def chunk(kind, data):
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+picture = Path(sys.argv[1]) / "map.png"
+rows = b"".join(b"\\x00" + bytes([row * 60, 0, 0] * 4) for row in range(4))
+header = struct.pack(">IIBBBBB", 4, 4, 8, 2, 0, 0, 0)  # 4 x 4, 8-bit RGB
+picture.write_bytes(b"\\x89PNG\\r\\n\\x1a\\n" + chunk(b"IHDR", header)
+                    + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+logger = WandbLogger(offline=True, save_dir=sys.argv[1])
+logger.start_in_background()
+logger.release_start()
+logger.wait_for_start()
+import wandb
+before = set(sys.modules)
+logger.log_metrics({"attention/map": wandb.Image(str(picture))}, step=1)
+print("none", *sorted({name.split(".")[0] for name in set(sys.modules) - before}))
+finish_wandb()
+"""
+
+
+def test_the_first_attention_map_logged_imports_nothing_on_the_training_thread(tmp_path):
+    # W&B's first image imports pandas (half a second); the background start imports it first.
+    assert wandb_probe(IMAGE_PROBE, str(tmp_path)) == ["none"]
