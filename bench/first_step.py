@@ -12,8 +12,9 @@ to this one.
 Each run is the default config (W&B offline, the default model and data) stopped after a few
 steps: its own `seconds_to_first_step` (summary.json, counted from process start), and the wall
 time of the whole process, which adds the few steps, the attention maps of the last one, the
-end-of-run printout and the exit; and its `checkpoint_seconds`. Overrides such as
-`trainer.max_steps=200 trainer.val_check_interval=50` make a run whose checkpoints weigh. Both
+end-of-run printout and the exit; and its `checkpoint_seconds` and `attention_maps_seconds` (on
+the training thread). Overrides such as `trainer.max_steps=200 trainer.val_check_interval=50`
+make a run whose checkpoints weigh. Both
 checkouts share one data cache, warmed by a run of each first.
 """
 
@@ -47,6 +48,7 @@ def start_and_end_seconds(
         "first step": summary["seconds_to_first_step"],
         "whole process": whole,
         "checkpoints (training thread)": summary["checkpoint_seconds"],
+        "attention maps (training thread)": summary["attention_maps_seconds"],
     }
 
 
