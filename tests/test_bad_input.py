@@ -257,6 +257,16 @@ BEFORE_ANY_BAR = [
      ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/table.csv]"],
      "error: data.paths: {tmp}/table.csv has an unsupported extension; use one of .txt, .md, "
      ".jsonl"),
+    # a file's first row tells its columns: a file without the column is refused before the
+    # files before it are read (pairs read them all at once, and failed in a traceback)
+    ("jsonl_without_the_text_column",
+     ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/rows.jsonl]"],
+     "error: data.text_column='text' is not a column of the first row of {tmp}/rows.jsonl; "
+     "available columns: ['body']; set data.text_column"),
+    ("pairs_file_without_the_columns",
+     ["model=encdec", "data=pairs", "data.paths=[{tmp}/pairs.jsonl,{tmp}/questions.jsonl]"],
+     "error: data.source_column='source' is not a column of the first row of "
+     "{tmp}/questions.jsonl; available columns: ['question', 'answer']; set data.source_column"),
     ("hub_split_not_there", ["data=hub", "data.name={tmp}/hub", "data.val_split=dev"],
      "error: data.val_split: {tmp}/hub has no split named 'dev'; its splits are ['train', 'test']"),
     ("hub_column_not_there", ["data=hub", "data.name={tmp}/carded_hub", "data.text_column=body"],
@@ -297,6 +307,9 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     (tmp / "prompt.txt").write_text("ROMEO:")
     (tmp / "lines.txt").write_text("\n\n".join(f"line {i}" for i in range(300)))
     (tmp / "table.csv").write_text("a,b\n1,2\n")
+    (tmp / "rows.jsonl").write_text("".join(f'{{"body": "row {i}"}}\n' for i in range(300)))
+    (tmp / "pairs.jsonl").write_text('{"source": "a b", "target": "b a"}\n' * 300)
+    (tmp / "questions.jsonl").write_text('{"question": "a b?", "answer": "b a"}\n' * 300)
     for hub in ("hub", "carded_hub"):
         write_hub_dataset(tmp / hub, {"train": ["some text"] * 300, "test": ["more"] * 30})
     (tmp / "carded_hub" / "README.md").write_text(CARD)

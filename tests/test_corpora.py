@@ -90,7 +90,10 @@ def test_val_paths_errors_name_the_key(corpus, tmp_path):
     with pytest.raises(ValueError, match="data.val_paths is only read by source=text_files"):
         LMDataModule(val_paths=[str(corpus / "a.txt")])
     with pytest.raises(ValueError, match=r"data.val_paths: .*a.txt is also in data.paths"):
-        prepared(source="text_files", paths=[str(corpus)], val_paths=[str(corpus / "a.txt")])
+        prepared(
+            source="text_files", paths=[str(corpus)], val_paths=[str(corpus / "a.txt")],
+            text_column="body",  # c.jsonl's, which the config checks first
+        )  # fmt: skip
     unknown = tmp_path / "unknown.txt"
     unknown.write_text("\u2603\u2603\u2603")  # characters the training text lacks
     with pytest.raises(ValueError, match="the val split is empty: data.val_paths holds no text"):

@@ -271,6 +271,30 @@ def test_pairs_errors(pair_files, cache_dir):
         prepared(task="pairs", paths=[str(pair_files / "pairs.jsonl")], cache_dir=cache_dir)
 
 
+@pytest.mark.parametrize(
+    ("name", "where", "columns"),
+    [
+        ("pairs.jsonl", "the first row of {}", ["source", "target", "id"]),
+        ("pairs.csv", "{}", ["de", "en"]),  # its header
+        ("pairs.parquet", "{}", ["source", "target"]),  # its schema
+    ],
+)
+def test_a_file_without_a_column_is_refused_before_it_is_read(name, where, columns, pair_files):
+    """Each file's first row tells its columns, so a wrong column fails with the config, before
+    `datasets` reads a row under its progress bars."""
+    rows = {"source": ["line 0", "line 1"], "target": ["0 enil", "1 enil"]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(pair_files / "pairs.parquet"))
+    path = pair_files / name
+    message = (
+        f"data.target_column='fr' is not a column of {where.format(path)}; available columns: "
+        f"{columns}; set data.target_column"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Seq2SeqDataConfig(
+            task="pairs", paths=[str(path)], source_column=columns[0], target_column="fr"
+        )
+
+
 def test_hub_dataset_offline_is_explained(cache_dir, monkeypatch):
     # The Hub does not answer here: `datasets` would retry for ~25 s before failing, so it is
     # told up front that it is offline (what HF_HUB_OFFLINE=1 does at import time).
