@@ -395,14 +395,20 @@ def _check_before_reading(
 ) -> None:
     """load_hub's checks of `splits` and `columns`: against the splits its files make (the
     builder names each split after its files, data/<split>-*.parquet), else those of its
-    metadata, and the columns of its metadata; what neither tells is checked once the rows are
-    read."""
+    metadata, and the columns of its metadata (its card), else those of its local files; what
+    none of them tells is checked once the rows are read."""
     if known_splits := builder.config.data_files or builder.info.splits:
         for split, asked_by in splits.items():
             check_split(known_splits, split, title, asked_by)
     if builder.info.features is not None:
         for column, asked_by in columns.items():
             check_column(builder.info.features, column, f"the Hub dataset {title}", asked_by)
+        return
+    # Without a card, `datasets` takes the columns of the first file it reads and refuses any
+    # split whose files differ, so the first file of each split tells them all (a file on the
+    # Hub is not read here: it is checked once read).
+    for files in (builder.config.data_files or {}).values():
+        check_file_columns([Path(f) for f in files[:1] if os.path.isfile(f)], columns)
 
 
 def hub_title(name: str, config: str | None) -> str:

@@ -249,9 +249,9 @@ CASES = [
 
 # train.py's mistakes in data.* that only reading the data finds, refused in one line that holds
 # the message before any progress bar (`datasets`' reading the files, Lightning's): files checked
-# with the config, a Hub dataset's splits by its files' names and its columns by its card, the
-# batch before the sanity check. The default corpus is prepared already (the trained run's); the
-# others are read by no other case.
+# with the config (a file's columns by its first row), a Hub dataset's splits by its files' names
+# and its columns by its card (or its files' schema), the batch before the sanity check. The
+# default corpus is prepared already (the trained run's); the others are read by no other case.
 BEFORE_ANY_BAR = [
     ("unsupported_file_after_a_readable_one",
      ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/table.csv]"],
@@ -272,6 +272,12 @@ BEFORE_ANY_BAR = [
     ("hub_column_not_there", ["data=hub", "data.name={tmp}/carded_hub", "data.text_column=body"],
      "error: data.text_column='body' is not a column of the Hub dataset {tmp}/carded_hub; "
      "available columns: ['text']; set data.text_column"),
+    # without a card, by the schema of each split's first file
+    ("hub_column_not_there_without_a_card",
+     ["data=hub", "data.name={tmp}/hub", "data.text_column=body"],
+     "error: data.text_column='body' is not a column of "
+     "{tmp}/hub/data/train-00000-of-00001.parquet; available columns: ['text']; set "
+     "data.text_column"),
     # after the number of training examples, which the version of the plays sets
     ("batch_larger_than_the_data", ["data.batch_size=100000000"],
      " training examples make no full batch of data.batch_size=100000000 on each of 1 "

@@ -3,6 +3,7 @@ a corpus of few documents (one file of any shape), whole documents for a corpus 
 Hub dataset's own validation split when it has one."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -155,6 +156,20 @@ def test_hub_dataset_without_one_is_carved_and_a_named_split_is_checked(tmp_path
         match=r"data.val_split: .* has no split named 'dev'; its splits are \['train', 'test'\]",
     ):
         prepared(source="hub", name=str(folder), cache_dir=tmp_path, val_split="dev")
+
+
+def test_a_hub_dataset_without_a_card_has_its_columns_checked_before_a_row_is_read(tmp_path):
+    """No card declares the columns: its files' own do, read from each split's first file
+    before `datasets` generates any split (under its progress bars)."""
+    folder = write_hub_dataset(tmp_path / "hub", {"train": HUB_ROWS[:200], "test": HUB_ROWS[200:]})
+    cache = tmp_path / "cache"
+    message = (
+        f"data.text_column='body' is not a column of {folder}/data/train-00000-of-00001.parquet; "
+        "available columns: ['text']; set data.text_column"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        prepared(source="hub", name=str(folder), cache_dir=cache, text_column="body")
+    assert not list(cache.rglob("*.arrow")), "a split was generated before the check"
 
 
 @pytest.mark.slow
