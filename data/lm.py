@@ -35,6 +35,7 @@ from data.sources import (
     load_hub,
     load_shakespeare,
     load_text_files,
+    most_tail_documents,
     shakespeare_version,
     splits_by_tail,
     tail_split,
@@ -246,6 +247,8 @@ class LMDataModule(CachedDataModule):
 
     def _build(self, out: Path) -> None:
         c = self.config
+        if c.source == "text_files":
+            self._check_files_hold_blocks()
         corpus, carved = self._corpus()
         tokenizer = self._given_tokenizer or self._train_tokenizer(corpus)
         encode = partial(_encode_rows, tokenizer=tokenizer)
@@ -292,6 +295,37 @@ class LMDataModule(CachedDataModule):
         }
         write_marker(out, meta)
 
+    def _check_files_hold_blocks(self) -> None:
+        """Before a file is read, files too small to hold each split's block and the token after
+        it fail in one line, judged by their sizes: no tokenizer here makes more tokens than a
+        text has bytes (a character is a byte or more, a byte-level BPE token covers a byte or
+        more), besides the separators between documents. Text over that bound but short of
+        tokens is found once tokenized, by _check_sizes (a warm entry's counts, at once)."""
+        c, block = self.config, self.config.block_size
+        separator = len(DOCUMENT_SEPARATOR)  # tokens, at most, of each separator
+        if c.val_paths:
+            sides = [
+                ("data.paths", c.paths, block + 1, 0, "to train on"),
+                ("data.val_paths", c.val_paths, block + 1, 0, "to validate on"),
+            ]
+        else:
+            # Both splits come from the same text; one of few documents, split at each one's
+            # tail, repeats in both the separator between two documents.
+            repeated = separator * (most_tail_documents(c.val_fraction) - 1)
+            what = "to train on and as many to validate on"
+            sides = [("data.paths", c.paths, 2 * (block + 1), repeated, what)]
+        for key, patterns, need, repeated, what in sides:
+            files = expand_paths(patterns, list(TEXT_BUILDERS), key)
+            size = sum(f.stat().st_size for f in files)
+            most = size + separator * (len(files) - 1) + repeated
+            if size == 0 or most >= need:  # empty files are load_text_files' to name
+                continue
+            raise ValueError(
+                f"{key} holds {size} bytes of text ({', '.join(map(str, files))}), so fewer than "
+                f"the {need} tokens that data.block_size={block} needs: a block and the token "
+                f"after it {what}; add text or lower model.block_size"
+            )
+
     def _load(self, entry: Path) -> dict[str, np.ndarray]:
         meta = json.loads((entry / "meta.json").read_text())
         splits = {
@@ -320,10 +354,10 @@ class LMDataModule(CachedDataModule):
         if total < 2 * (block + 1):
             raise ValueError(
                 f"{needs}, and the whole text {total}: it is shorter than two blocks (one to train "
-                "on, one to validate); add text or lower data.block_size"
+                "on, one to validate); add text or lower model.block_size"
             )
         fix = " or raise data.val_fraction" if split == "val" and carved else ""
-        raise ValueError(f"{needs}; lower data.block_size{fix}")
+        raise ValueError(f"{needs}; lower model.block_size{fix}")
 
     def train_dataset(self) -> TokenBlocks:
         # Every offset starts a training block; overlapping blocks are distinct examples.

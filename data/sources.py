@@ -153,11 +153,17 @@ def is_val_document(index: int, val_fraction: float) -> bool:
     return int((index + 1) * val_fraction) > int(index * val_fraction)
 
 
+def most_tail_documents(val_fraction: float) -> int:
+    """The most documents a corpus split inside its documents (splits_by_tail) has: one fewer
+    than it takes to give validation a whole one."""
+    return next(i for i in itertools.count() if is_val_document(i, val_fraction))
+
+
 def splits_by_tail(documents: Iterable, val_fraction: float) -> bool:
     """Whether a corpus is split inside its documents, the tail of each to validation, rather than
     one whole document in every 1/val_fraction: when it has too few documents for that to give
     validation one. Reads at most that many documents, so a stream is not read through."""
-    needed = next(i for i in itertools.count() if is_val_document(i, val_fraction)) + 1
+    needed = most_tail_documents(val_fraction) + 1
     return sum(1 for _ in itertools.islice(documents, needed)) < needed
 
 

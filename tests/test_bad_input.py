@@ -147,9 +147,6 @@ CASES = [
      "error: data.paths: no file matches '{tmp}/nope*.txt'"),
     ("empty_corpus", "train.py", ["data=text_files", "data.paths=[{tmp}/empty.txt]"],
      "error: data.paths: every file is empty ({tmp}/empty.txt)"),
-    ("corpus_shorter_than_a_block", "train.py",
-     ["data=text_files", "data.paths=[{tmp}/short.txt]", "model.block_size=256"],
-     "error: data.block_size=256 needs at least 257 tokens but the train split has"),
     ("cache_through_a_file", "train.py", ["paths.cache_dir={tmp}/short.txt/cache"],
      "error: the data cache {tmp}/short.txt/cache cannot be written (Not a directory in "
      "{tmp}/short.txt): give a folder that can be written: TINYFORMER_CACHE=/other/dir"),
@@ -249,9 +246,10 @@ CASES = [
 
 # train.py's mistakes in data.* that only reading the data finds, refused in one line that holds
 # the message before any progress bar (`datasets`' reading the files, Lightning's): files checked
-# with the config (a file's columns by its first row), a Hub dataset's splits by its files' names
-# and its columns by its card (or its files' schema), the batch before the sanity check. The
-# default corpus is prepared already (the trained run's); the others are read by no other case.
+# with the config (a file's columns by its first row), a text too small for the blocks by its
+# files' sizes, a Hub dataset's splits by its files' names and its columns by its card (or its
+# files' schema), the batch before the sanity check. The default corpus is prepared already (the
+# trained run's); the others are read by no other case.
 BEFORE_ANY_BAR = [
     ("unsupported_file_after_a_readable_one",
      ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/table.csv]"],
@@ -278,6 +276,12 @@ BEFORE_ANY_BAR = [
      "error: data.text_column='body' is not a column of "
      "{tmp}/hub/data/train-00000-of-00001.parquet; available columns: ['text']; set "
      "data.text_column"),
+    # by the files' sizes: no tokenizer makes more tokens than a text has bytes
+    ("corpus_shorter_than_a_block",
+     ["data=text_files", "data.paths=[{tmp}/short.txt]", "model.block_size=256"],
+     "error: data.paths holds 258 bytes of text ({tmp}/short.txt), so fewer than the 514 tokens "
+     "that data.block_size=256 needs: a block and the token after it to train on and as many to "
+     "validate on; add text or lower model.block_size"),
     # after the number of training examples, which the version of the plays sets
     ("batch_larger_than_the_data", ["data.batch_size=100000000"],
      " training examples make no full batch of data.batch_size=100000000 on each of 1 "

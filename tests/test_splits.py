@@ -86,12 +86,64 @@ def test_a_text_of_two_blocks_trains_and_a_shorter_one_says_so(tmp_path):
         ValueError,
         match=r"^data.block_size=27 needs at least 28 tokens but the train split has 27, and the "
         r"whole text 55: it is shorter than two blocks \(one to train on, one to validate\); add "
-        r"text or lower data.block_size$",
+        r"text or lower model.block_size$",
     ):
         prepared(**options, block_size=27)
     # A text of fewer characters than a block trains no tokenizer: its count is its characters.
-    with pytest.raises(ValueError, match=r"the train split has 0, and the whole text 55: "):
-        prepared(**options, block_size=64)
+    # Two bytes a character, its size cannot tell that it is short.
+    accented = tmp_path / "accented.txt"
+    accented.write_text("\u00e9" * 20)
+    with pytest.raises(ValueError, match=r"the train split has 0, and the whole text 20: "):
+        prepared(source="text_files", paths=[str(accented)], cache_dir=tmp_path, block_size=20)
+
+
+@pytest.mark.parametrize("val_paths", [False, True])
+def test_files_too_small_for_the_blocks_are_refused_before_they_are_read(tmp_path, val_paths):
+    """No tokenizer makes more tokens than a text has bytes: the files' sizes tell that they
+    cannot fill the blocks, before `datasets` reads them under its progress bars."""
+    path, valid = tmp_path / "short.txt", tmp_path / "valid.txt"
+    path.write_text(SHORT)
+    valid.write_text(SHORT[:20])
+    cache = tmp_path / "cache"
+    options = dict(source="text_files", paths=[str(path)], cache_dir=cache, block_size=64)
+    if val_paths:  # the training text holds a block; the validation text does not
+        options |= dict(val_paths=[str(valid)], block_size=32)
+        message = (
+            f"data.val_paths holds 20 bytes of text ({valid}), so fewer than the 33 tokens that "
+            "data.block_size=32 needs: a block and the token after it to validate on; add text "
+            "or lower model.block_size"
+        )
+    else:
+        message = (
+            f"data.paths holds 55 bytes of text ({path}), so fewer than the 130 tokens that "
+            "data.block_size=64 needs: a block and the token after it to train on and as many "
+            "to validate on; add text or lower model.block_size"
+        )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        prepared(**options)
+    assert not (cache / "hf").exists(), "a file was read"
+    assert not list(cache.glob("lm/*/meta.json"))
+
+
+def test_a_warm_entry_too_short_for_the_block_is_refused_from_its_counts(tmp_path):
+    """A Hub dataset's entry serves every block size: a larger one is refused by the token
+    counts of the entry, read at once, and the entry stays as it was, for a smaller one."""
+    folder = write_hub_dataset(
+        tmp_path / "hub", {"train": HUB_ROWS[:200], "validation": HUB_ROWS[200:203]}
+    )
+    options = dict(source="hub", name=str(folder), cache_dir=tmp_path / "cache", tokenizer="char")
+    entry = prepared(**options).cache_entry
+    files = {f.name: f.read_bytes() for f in entry.iterdir()}
+    module = LMDataModule(**options, block_size=512, batch_size=4)
+    module.prepare_data()
+    assert module.cache_hit
+    with pytest.raises(
+        ValueError,
+        match=r"^data.block_size=512 needs at least 513 tokens but the val split has 1\d\d; "
+        r"lower model.block_size$",
+    ):
+        module.setup()
+    assert {f.name: f.read_bytes() for f in entry.iterdir()} == files
 
 
 def test_the_block_size_keys_a_text_files_entry_whose_split_it_decides(tmp_path):
