@@ -274,8 +274,8 @@ def check_column(names: Collection[str], column: str, where: str, key: str) -> N
 def first_row_columns(path: Path) -> list[str] | None:
     """The columns of the data file `path`, told without reading past its first row: a JSON
     Lines file's first object's keys, a CSV file's header, a Parquet file's schema. None where
-    that cannot tell them (another format, a first line that is no JSON object, such as a JSON
-    array's "["): its columns are checked once `datasets` has read it."""
+    that cannot tell them (another format, a JSON array, a first line that is no JSON object):
+    its columns are checked once `datasets` has read it."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet  # ships with `datasets`; loads only when a Parquet file is given
@@ -290,7 +290,11 @@ def first_row_columns(path: Path) -> list[str] | None:
     with open(path, encoding="utf-8-sig", errors="replace", newline="") as file:
         if suffix == ".csv":
             return next(csv.reader(file), None)
-        first = next((line for line in file if line.strip()), "")
+        while (start := file.read(1)).isspace():
+            pass
+        if start != "{":  # a JSON array, say, which only reading it all tells
+            return None
+        first = start + file.readline()
     try:
         row = json.loads(first)
     except ValueError:
