@@ -37,6 +37,24 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def cpu_flags(monkeypatch):
+    """use(flags): the project reads `flags` (names of torch.cpu.get_capabilities' features) as
+    this CPU's, through training.precision.cpu_capabilities, the one place it asks; so a test
+    checks the choices made for every kind of CPU that CI runs on (AVX2 only, AVX512-BF16, AMX),
+    not only for the one it runs on. multiplies_bf16's cached answer is dropped on the way in
+    and on the way out."""
+    from training import precision
+
+    def use(flags) -> None:
+        capabilities = {flag: True for flag in flags}
+        monkeypatch.setattr(precision, "cpu_capabilities", lambda: capabilities)
+        precision.multiplies_bf16.cache_clear()
+
+    yield use
+    precision.multiplies_bf16.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def same_random_state():
     """Every test starts from seed 0, so none depends on what an earlier one drew."""

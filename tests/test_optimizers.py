@@ -93,8 +93,22 @@ def test_muon_in_bf16_steps_as_torchs(options):
         assert_same_updates(mine, reference, before.detach())
 
 
-def test_muon_orthogonalises_in_bf16_only_where_the_device_multiplies_in_it():
-    native = torch.bfloat16 if multiplies_bf16("cpu") else torch.float32
+@pytest.mark.parametrize(
+    "flags, native",
+    [
+        ({"avx2", "fma3"}, torch.float32),  # an AMD EPYC with AVX2 only: bf16 is emulated
+        ({"avx2", "avx512_f", "avx512_bf16"}, torch.bfloat16),
+        ({"avx2", "avx512_f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),
+    ],
+    ids=["avx2", "avx512_bf16", "amx"],
+)
+def test_muon_orthogonalises_in_bf16_only_where_the_device_multiplies_in_it(
+    cpu_flags, flags, native
+):
+    """Muon's own choice (ns_dtype None) for each kind of CPU that CI runs on, whichever this
+    one is: bf16 where the CPU has bf16 units, fp32 elsewhere."""
+    cpu_flags(flags)
+    assert multiplies_bf16("cpu") is (native == torch.bfloat16)
     emulated = torch.float32 if native == torch.bfloat16 else torch.bfloat16
     chosen = muon_steps(Muon, steps=1)
     for mine, reference in zip(chosen, muon_steps(Muon, steps=1, ns_dtype=native), strict=True):
