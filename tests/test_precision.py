@@ -8,7 +8,7 @@ import torch
 
 import train  # noqa: F401 (registers the resolvers the configs use)
 from helpers import composed
-from training.precision import cpu_has_bf16_units, fast_precision
+from training.precision import cpu_has_bf16_units, fast_precision, multiplies_bf16
 
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -17,6 +17,15 @@ def cpuinfo_flags() -> set[str]:
     """The kernel's own list of this CPU's features: a source independent of torch's."""
     line = next(line for line in CPUINFO.read_text().splitlines() if line.startswith("flags"))
     return set(line.split(":", 1)[1].split())
+
+
+# The kinds of CPU that CI machines have, by the features torch reports, and the precision each
+# gets: the tests below check every kind's on whichever CPU they run on.
+CPU_KINDS = {
+    "epyc_avx2": ({"avx2", "fma3"}, "32-true"),
+    "epyc_avx512_bf16": ({"avx2", "avx512_f", "avx512_vnni", "avx512_bf16"}, "bf16-mixed"),
+    "xeon_amx": ({"avx2", "avx512_f", "avx512_bf16", "amx_tile", "amx_bf16"}, "bf16-mixed"),
+}
 
 
 @pytest.mark.parametrize(
@@ -39,6 +48,16 @@ def test_only_cpus_with_bf16_units_count(flags, native):
 def test_this_cpu_gets_bf16_exactly_when_the_kernel_lists_a_bf16_unit():
     expected = "bf16-mixed" if cpuinfo_flags() & {"amx_bf16", "avx512_bf16"} else "32-true"
     assert fast_precision("cpu") == expected
+
+
+@pytest.mark.parametrize("flags, precision", CPU_KINDS.values(), ids=CPU_KINDS.keys())
+def test_each_kind_of_cpu_gets_its_precision_and_the_cpu_recipe_with_it(
+    cpu_flags, flags, precision
+):
+    cpu_flags(flags)
+    assert fast_precision("cpu") == precision
+    assert multiplies_bf16("cpu") is (precision == "bf16-mixed")
+    assert composed("experiment=cpu_fast", "trainer=cpu").trainer.precision == precision
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto is the GPU there")
