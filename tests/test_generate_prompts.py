@@ -5,6 +5,7 @@ would; conflicting options fail before anything loads."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from data.tokenizer import CharTokenizer
 from generate import Inputs
@@ -19,6 +20,9 @@ GREEDY = ["decoding=greedy", "max_new_tokens=12"]
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("gpt")
+    # A module's fixture is made before the first test's seed is set (conftest.py): seeded
+    # here, its weights are the same in every order and on every worker.
+    torch.manual_seed(0)
     model = sharpened(tiny_gpt(CHARS.vocab_size, block_size=64))
     return save_checkpoint(model, CHARS, folder / "gpt.ckpt")
 
