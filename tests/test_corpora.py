@@ -2,6 +2,7 @@
 parallel tokenisation, reused tokenizers, and cache entries built once under concurrency."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -143,9 +144,14 @@ def test_empty_and_broken_files(corpus, tmp_path):
     # Empty files beside real ones are skipped: they hold no document.
     module = prepared(source="text_files", paths=[str(corpus / "*.txt")], cache_dir=tmp_path)
     assert "Paragraph 0 " in split_text(module, "train")
-    (corpus / "broken.jsonl").write_text('{"text": "fine"}\nnot json at all\n')
-    with pytest.raises(ValueError, match=r"data.paths: cannot read .*broken.jsonl \(.*JSON Lines"):
-        prepared(source="text_files", paths=[str(corpus / "broken.jsonl")], cache_dir=tmp_path)
+    broken = corpus / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\nnot json at all\n')
+    message = (
+        f"data.paths: cannot read {broken} (line 2 is not JSON: Expecting value at column 1); "
+        "check that it is JSON Lines, one object per line, or a JSON array of objects"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        prepared(source="text_files", paths=[str(broken)], cache_dir=tmp_path)
 
 
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])

@@ -295,6 +295,48 @@ def test_a_file_without_a_column_is_refused_before_it_is_read(name, where, colum
         )
 
 
+JSON_FIX = "check that it is JSON Lines, one object per line, or a JSON array of objects"
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "fault", "why", "fix"),
+    [
+        ("cut_off.jsonl", 40, '{"source": "line 40", "tar',
+         "line 41 is not JSON: Unterminated string starting at column 23", JSON_FIX),
+        ("not_an_object.jsonl", 40, '["line 40", "40 enil"]',
+         'line 41 is not a JSON object: ["line 40", "40 enil"]', JSON_FIX),
+        # past `datasets`' first 10 MB chunk, from whose start its own message counts rows
+        ("long.jsonl", 300_000, '{"source": "line", "target": }',
+         "line 300001 is not JSON: Expecting value at column 30", JSON_FIX),
+        ("extra_field.csv", 1, "line,enil,3",
+         "Error tokenizing data. C error: Expected 2 fields in line 3, saw 3",
+         "check that no line has more fields than the header and every quote is closed"),
+        ("not_parquet.parquet", 0, "PAR1 and no more",
+         "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a "
+         "parquet file.", "check that it is a whole Parquet file"),
+    ],
+    ids=["cut_off_line", "not_an_object", "past_10_MB", "csv_line_too_long", "not_parquet"],
+)  # fmt: skip
+def test_a_file_datasets_cannot_read_is_named_with_its_fault(
+    name, rows, fault, why, fix, pair_files
+):
+    """`datasets` fails in a traceback that names neither the file nor, past its first 10 MB,
+    the line: the message names both, after a file of the same format that reads well."""
+    columns = {"source": ["line 0", "line 1"], "target": ["0 enil", "1 enil"]}
+    datasets.Dataset.from_dict(columns).to_parquet(str(pair_files / "pairs.parquet"))
+    bad = pair_files / name
+    suffix = bad.suffix
+    good_row = {".jsonl": '{"source": "line", "target": "enil"}\n', ".csv": "line,enil\n"}
+    header = "de,en\n" if suffix == ".csv" else ""
+    bad.write_text(header + good_row.get(suffix, "") * rows + fault + "\n")
+    paths = [str(pair_files / f"pairs{suffix}"), str(bad)]
+    names = {"source_column": "de", "target_column": "en"} if suffix == ".csv" else {}
+    module = Seq2SeqDataModule(task="pairs", paths=paths, cache_dir=pair_files / "cache", **names)
+    message = f"data.paths: cannot read {bad} ({why}); {fix}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        module.prepare_data()
+
+
 def test_hub_dataset_offline_is_explained(cache_dir, monkeypatch):
     # The Hub does not answer here: `datasets` would retry for ~25 s before failing, so it is
     # told up front that it is offline (what HF_HUB_OFFLINE=1 does at import time).
