@@ -105,7 +105,7 @@ class Seq2SeqDataConfig:
             file_format(files)
             columns = {self.source_column: "data.source_column"}
             columns[self.target_column] = "data.target_column"
-            check_file_columns(files, columns)
+            check_file_columns(files, columns, together="data.paths")
 
 
 # --- Token ids and batches ---------------------------------------------------------------------

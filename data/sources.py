@@ -303,14 +303,29 @@ def first_row_columns(path: Path) -> list[str] | None:
     return list(row) if isinstance(row, dict) else None
 
 
-def check_file_columns(files: Sequence[Path], columns: dict[str, str]) -> None:
+def check_file_columns(
+    files: Sequence[Path], columns: dict[str, str], together: str | None = None
+) -> None:
     """Each of `files` whose columns first_row_columns tells has every one of `columns` ({column:
     the option that names it}): a wrong column fails with the config's checks, naming the file,
-    not once the files have been read under `datasets`' progress bars."""
-    for file in files:
-        names = first_row_columns(file)
-        if names is None:
-            continue
+    not once the files have been read under `datasets`' progress bars.
+
+    `together` is the option that gave files `datasets` reads as one dataset (data=pairs'
+    data.paths, a card-less dataset's splits): it takes the columns of the first file, fills
+    those another file lacks with nulls, and refuses, in a traceback, a file with a column
+    more. Such a file, and one that lacks a column of `columns` that the first file has, is
+    refused first, naming both files: it is the files that disagree, not the option."""
+    told = [(file, names) for file in files if (names := first_row_columns(file)) is not None]
+    if together and told and told[0][0] == files[0]:  # else the first file's columns are unknown
+        first, first_names = told[0]
+        for file, names in told[1:]:
+            if set(names) - set(first_names) or set(columns) & set(first_names) - set(names):
+                raise ValueError(
+                    f"{together}: {file} has the columns {names} and {first} has {first_names}, "
+                    "but the files of a dataset must share their columns (`datasets` gives them "
+                    "all the first file's); give every file the same columns"
+                )
+    for file, names in told:
         # JSON has no header: its first row stands for the file, and the message says so
         json_rows = file.suffix.lower() in (".jsonl", ".json")
         where = f"the first row of {file}" if json_rows else str(file)
@@ -481,7 +496,7 @@ def load_hub(
         # datasets.load_dataset's steps, with the checks between the metadata and the rows (it
         # also keeps a dataset under HF_DATASETS_IN_MEMORY_MAX_SIZE, unset by default, in memory)
         builder = datasets.load_dataset_builder(name, config, cache_dir=str(Path(cache_dir) / "hf"))
-        _check_before_reading(builder, title, splits or {}, columns or {})
+        _check_before_reading(builder, title, key, splits or {}, columns or {})
         if streaming:
             return builder.as_streaming_dataset()
         builder.download_and_prepare()
@@ -494,12 +509,17 @@ def load_hub(
 
 
 def _check_before_reading(
-    builder: "datasets.DatasetBuilder", title: str, splits: dict[str, str], columns: dict[str, str]
+    builder: "datasets.DatasetBuilder",
+    title: str,
+    key: str,
+    splits: dict[str, str],
+    columns: dict[str, str],
 ) -> None:
     """load_hub's checks of `splits` and `columns`: against the splits its files make (the
     builder names each split after its files, data/<split>-*.parquet), else those of its
-    metadata, and the columns of its metadata (its card), else those of its local files; what
-    none of them tells is checked once the rows are read."""
+    metadata, and the columns of its metadata (its card), else those of its local files, which
+    must then agree (`key` gave the dataset); what none of them tells is checked once the rows
+    are read."""
     if known_splits := builder.config.data_files or builder.info.splits:
         for split, asked_by in splits.items():
             check_split(known_splits, split, title, asked_by)
@@ -507,11 +527,11 @@ def _check_before_reading(
         for column, asked_by in columns.items():
             check_column(builder.info.features, column, f"the Hub dataset {title}", asked_by)
         return
-    # Without a card, `datasets` takes the columns of the first file it reads and refuses any
-    # split whose files differ, so the first file of each split tells them all (a file on the
-    # Hub is not read here: it is checked once read).
-    for files in (builder.config.data_files or {}).values():
-        check_file_columns([Path(f) for f in files[:1] if os.path.isfile(f)], columns)
+    # Without a card, `datasets` gives every split the columns of the first file of its
+    # data_files, so all of them are checked together (a file on the Hub is not read here: it
+    # is checked once read).
+    files = [f for split in (builder.config.data_files or {}).values() for f in split]
+    check_file_columns([Path(f) for f in files if os.path.isfile(f)], columns, key)
 
 
 def hub_title(name: str, config: str | None) -> str:

@@ -335,14 +335,15 @@ def run_training(cache_dir: Path, *overrides: str) -> subprocess.CompletedProces
     return run_script("train.py", *overrides, cache_dir=cache_dir, env={"PYTHONPATH": "tests"})
 
 
-def write_hub_dataset(folder: Path, splits: dict[str, list[str]]) -> Path:
+def write_hub_dataset(folder: Path, splits: dict[str, list[str]], column: str = "text") -> Path:
     """A dataset laid out as a Hub dataset repository, <folder>/data/<split>-00000-of-00001.parquet
-    with a "text" column: `datasets.load_dataset(<folder>)` (and so data=hub data.name=<folder>)
-    finds its splits by the files' names, without the network."""
+    with one column, `column`: `datasets.load_dataset(<folder>)` (and so data=hub
+    data.name=<folder>) finds its splits by the files' names, without the network. A second call
+    adds splits, of another column if asked."""
     import datasets  # 0.6 s: only for the tests that write one
 
-    (folder / "data").mkdir(parents=True)
+    (folder / "data").mkdir(parents=True, exist_ok=True)
     for split, rows in splits.items():
         path = folder / "data" / f"{split}-00000-of-00001.parquet"
-        datasets.Dataset.from_dict({"text": rows}).to_parquet(str(path))
+        datasets.Dataset.from_dict({column: rows}).to_parquet(str(path))
     return folder

@@ -288,6 +288,11 @@ BEFORE_ANY_BAR = [
      "error: data.text_column='body' is not a column of "
      "{tmp}/hub/data/train-00000-of-00001.parquet; available columns: ['text']; set "
      "data.text_column"),
+    # files of other columns, whichever the text column: it is the files that disagree
+    ("hub_splits_of_other_columns", ["data=hub", "data.name={tmp}/mixed_hub"],
+     "error: data.name: {tmp}/mixed_hub/data/validation-00000-of-00001.parquet has the columns "
+     "['body'] and {tmp}/mixed_hub/data/train-00000-of-00001.parquet has ['text'], but the files "
+     "of a dataset must share their columns"),
     # by the files' sizes: no tokenizer makes more tokens than a text has bytes
     ("corpus_shorter_than_a_block",
      ["data=text_files", "data.paths=[{tmp}/short.txt]", "model.block_size=256"],
@@ -338,6 +343,8 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     for hub in ("hub", "carded_hub"):
         write_hub_dataset(tmp / hub, {"train": ["some text"] * 300, "test": ["more"] * 30})
     (tmp / "carded_hub" / "README.md").write_text(CARD)
+    write_hub_dataset(tmp / "mixed_hub", {"train": ["some text"] * 300})
+    write_hub_dataset(tmp / "mixed_hub", {"validation": ["more"] * 30}, column="body")
     export(ExportOptions(ckpt=str(trained_run), out=str(tmp / "export_of_run")))
     return {"tmp": tmp, "run": trained_run, "cache": shared_cache}
 

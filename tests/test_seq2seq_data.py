@@ -295,6 +295,36 @@ def test_a_file_without_a_column_is_refused_before_it_is_read(name, where, colum
         )
 
 
+def test_pairs_files_of_other_columns_are_refused_naming_both(pair_files, tmp_path):
+    """`datasets` reads the files (a card-less dataset's splits) as one, with the columns of the
+    first: a later file with a column more failed in a traceback once read. It is refused with
+    the config (before the rows are read), naming both files; one with a column fewer is filled
+    with nulls by `datasets`, and passes."""
+    plain = pair_files / "plain.jsonl"
+    plain.write_text('{"source": "line", "target": "enil"}\n' * 40)
+    with_id = pair_files / "pairs.jsonl"  # the fixture's: source, target and id
+    Seq2SeqDataConfig(task="pairs", paths=[str(with_id), str(plain)])
+    message = (
+        f"data.paths: {with_id} has the columns ['source', 'target', 'id'] and {plain} has "
+        "['source', 'target'], but the files of a dataset must share their columns (`datasets` "
+        "gives them all the first file's); give every file the same columns"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Seq2SeqDataConfig(task="pairs", paths=[str(plain), str(with_id)])
+    # A Hub dataset's test split, which data=pairs does not read, is generated all the same.
+    folder = tmp_path / "hub" / "data"
+    folder.mkdir(parents=True)
+    rows = {"source": ["line 0", "line 1"], "target": ["0 enil", "1 enil"]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(folder / "train-00000-of-00001.parquet"))
+    test = folder / "test-00000-of-00001.parquet"
+    datasets.Dataset.from_dict({**rows, "id": [0, 1]}).to_parquet(str(test))
+    module = Seq2SeqDataModule(task="pairs", hub_name=str(folder.parent), cache_dir=tmp_path)
+    message = f"data.hub_name: {test} has the columns ['source', 'target', 'id'] and "
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        module.prepare_data()
+    assert not list(tmp_path.rglob("*.arrow")), "a split was generated before the check"
+
+
 JSON_FIX = "check that it is JSON Lines, one object per line, or a JSON array of objects"
 
 

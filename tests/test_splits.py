@@ -224,6 +224,25 @@ def test_a_hub_dataset_without_a_card_has_its_columns_checked_before_a_row_is_re
     assert not list(cache.rglob("*.arrow")), "a split was generated before the check"
 
 
+def test_a_hub_dataset_without_a_card_whose_splits_differ_in_columns_names_both(tmp_path):
+    """`datasets` gives every split the columns of its first file: a split of other columns is
+    files that disagree, named both before a row is read, not an option to set."""
+    folder = write_hub_dataset(tmp_path / "hub", {"train": HUB_ROWS[:200]})
+    write_hub_dataset(folder, {"validation": HUB_ROWS[200:]}, column="body")
+    validation = folder / "data" / "validation-00000-of-00001.parquet"
+    cache = tmp_path / "cache"
+    message = (
+        f"data.name: {validation} has the columns ['body'] and "
+        f"{folder}/data/train-00000-of-00001.parquet has ['text'], but the files of a dataset "
+        "must share their columns (`datasets` gives them all the first file's); give every file "
+        "the same columns"
+    )
+    for column in ("text", "body"):  # whichever column is asked for
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            prepared(source="hub", name=str(folder), cache_dir=cache, text_column=column)
+    assert not list(cache.rglob("*.arrow")), "a split was generated before the check"
+
+
 @pytest.mark.slow
 def test_train_py_with_data_split_is_one_line_not_a_type_error(tmp_path):
     for overrides in (["+data.split=validation"], ["data=hub", "data.name=x", "data.split=test"]):
