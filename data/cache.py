@@ -63,32 +63,51 @@ def entry_problem(entry: Path) -> str | None:
     the size and checksum its MARKER recorded. Sizes catch truncated and missing files at the
     cost of a stat; the SHA-256 (6 ms for the embedded corpus's 8.6 MB on a 2-core CPU) catches
     the rest, such as blocks zeroed by a crash."""
-    if not entry.is_dir():
-        return "it does not exist"
-    try:
-        meta = json.loads((entry / MARKER).read_text())
-    except FileNotFoundError:
-        return f"it has no {MARKER}: its build never finished"
-    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or not JSON
-        return f"its {MARKER} cannot be read ({error})"
-    try:
-        recorded = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in meta["files"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return f"its {MARKER} records no file sizes and checksums (an older version wrote it)"
-    for name, (size, _) in recorded.items():
+    problem, meta = _size_problem(entry)
+    if problem is not None:
+        return problem
+    for name, record in meta["files"].items():
         try:
-            actual = (entry / name).stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing"
-        if actual != size:
-            return f"{name} is {actual} bytes, not the {size} written"
-    for name, (_, checksum) in recorded.items():
-        try:
-            if _sha256(entry / name) != checksum:
+            if _sha256(entry / name) != str(record["sha256"]):
                 return f"{name} does not match the checksum written with it"
         except OSError as error:
             return f"{name} cannot be read ({error})"
     return None
+
+
+def sized_meta(entry: Path) -> dict | None:
+    """`entry`'s MARKER when every file it records has the size recorded, else None: what may be
+    read of an entry before its checksums are, to refuse a use of it by its files' lengths,
+    which no damage the checksums alone find can change. Never to accept it: only
+    entry_problem's checksums do."""
+    problem, meta = _size_problem(entry)
+    return meta if problem is None else None
+
+
+def _size_problem(entry: Path) -> tuple[str | None, dict]:
+    """What is wrong with `entry` short of its checksums (a sentence), or None when its MARKER
+    records the size and checksum of each file and every file has that size; and then the
+    MARKER's contents (else {})."""
+    if not entry.is_dir():
+        return "it does not exist", {}
+    try:
+        meta = json.loads((entry / MARKER).read_text())
+    except FileNotFoundError:
+        return f"it has no {MARKER}: its build never finished", {}
+    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or not JSON
+        return f"its {MARKER} cannot be read ({error})", {}
+    try:
+        recorded = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in meta["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return f"its {MARKER} records no file sizes and checksums (an older version wrote it)", {}
+    for name, (size, _) in recorded.items():
+        try:
+            actual = (entry / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing", {}
+        if actual != size:
+            return f"{name} is {actual} bytes, not the {size} written", {}
+    return None, meta
 
 
 def _try_lock(fd: int) -> bool:

@@ -125,25 +125,38 @@ def test_files_too_small_for_the_blocks_are_refused_before_they_are_read(tmp_pat
     assert not list(cache.glob("lm/*/meta.json"))
 
 
-def test_a_warm_entry_too_short_for_the_block_is_refused_from_its_counts(tmp_path):
+def test_a_warm_entry_too_short_for_the_block_is_refused_from_its_counts(tmp_path, capsys):
     """A Hub dataset's entry serves every block size: a larger one is refused by the token
-    counts of the entry, read at once, and the entry stays as it was, for a smaller one."""
+    counts of the entry, its files' lengths, at once, before the checksums of all of it are
+    read, and the entry stays as it was, for a smaller one. The lengths never accept an entry:
+    a damaged one (its bytes changed, its sizes not) is still found by its checksums, and built
+    again, once a block fits."""
     folder = write_hub_dataset(
         tmp_path / "hub", {"train": HUB_ROWS[:200], "validation": HUB_ROWS[200:203]}
     )
     options = dict(source="hub", name=str(folder), cache_dir=tmp_path / "cache", tokenizer="char")
     entry = prepared(**options).cache_entry
     files = {f.name: f.read_bytes() for f in entry.iterdir()}
-    module = LMDataModule(**options, block_size=512, batch_size=4)
-    module.prepare_data()
-    assert module.cache_hit
-    with pytest.raises(
-        ValueError,
-        match=r"^data.block_size=512 needs at least 513 tokens but the val split has 1\d\d; "
-        r"lower model.block_size$",
-    ):
-        module.setup()
+    too_short = (
+        r"^data.block_size=512 needs at least 513 tokens but the val split has 1\d\d; "
+        r"lower model.block_size$"
+    )
+    with pytest.raises(ValueError, match=too_short):
+        LMDataModule(**options, block_size=512, batch_size=4).prepare_data()
     assert {f.name: f.read_bytes() for f in entry.iterdir()} == files
+    train = entry / "train.bin"
+    train.write_bytes(bytes(train.stat().st_size))  # zeroed, as by a crash
+    damaged = {f.name: f.read_bytes() for f in entry.iterdir()}
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=too_short):
+        LMDataModule(**options, block_size=512, batch_size=4).prepare_data()
+    assert "rebuilding" not in capsys.readouterr().err, "the checksums were read first"
+    assert {f.name: f.read_bytes() for f in entry.iterdir()} == damaged
+    module = prepared(**options)
+    assert f"rebuilding the cache entry {entry}: train.bin does not match the checksum" in (
+        capsys.readouterr().err
+    )
+    assert not module.cache_hit and split_text(module, "train") == "\n\n".join(HUB_ROWS[:200])
 
 
 def test_the_block_size_keys_a_text_files_entry_whose_split_it_decides(tmp_path):
