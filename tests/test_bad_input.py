@@ -273,10 +273,13 @@ BEFORE_ANY_BAR = [
      ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/rows.jsonl]"],
      "error: data.text_column='text' is not a column of the first row of {tmp}/rows.jsonl; "
      "available columns: ['body']; set data.text_column"),
+    # pairs' files are one dataset, whose files must share their columns: a file of others is
+    # named with the first, not as a column to set (which the first file would then lack)
     ("pairs_file_without_the_columns",
      ["model=encdec", "data=pairs", "data.paths=[{tmp}/pairs.jsonl,{tmp}/questions.jsonl]"],
-     "error: data.source_column='source' is not a column of the first row of "
-     "{tmp}/questions.jsonl; available columns: ['question', 'answer']; set data.source_column"),
+     "error: data.paths: {tmp}/questions.jsonl has the columns ['question', 'answer'] and "
+     "{tmp}/pairs.jsonl has ['source', 'target'], but the files of a dataset must share their "
+     "columns"),
     ("hub_split_not_there", ["data=hub", "data.name={tmp}/hub", "data.val_split=dev"],
      "error: data.val_split: {tmp}/hub has no split named 'dev'; its splits are ['train', 'test']"),
     ("hub_column_not_there", ["data=hub", "data.name={tmp}/carded_hub", "data.text_column=body"],
