@@ -12,7 +12,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -389,9 +390,8 @@ def read_files(
     what is wrong (which line, where the format tells it) and what to check, after `key`, the
     option that gave the files, where `datasets` raised a traceback that names neither."""
     import datasets
-    import pyarrow  # ships with `datasets`
 
-    try:
+    with _naming_unreadable_files(builder, files, cache_dir, key):
         return datasets.load_dataset(
             builder,
             data_files=[str(f) for f in files],
@@ -400,9 +400,23 @@ def read_files(
             cache_dir=datasets_cache_for(files, cache_dir),
             **options,
         )
+
+
+@contextmanager
+def _naming_unreadable_files(
+    builder: str, files: Sequence[Path], cache_dir: Path, key: str
+) -> Iterator[None]:
+    """Inside, `datasets` failing to read the local `files` with its `builder` is a one-line
+    ValueError naming the file and the fault, after `key`; a full disk (not the files' fault:
+    build_once names it) and a builder or files this cannot tell about are left as they are."""
+    import datasets
+    import pyarrow  # ships with `datasets`
+
+    try:
+        yield
     # ArrowInvalid: a file that is not Parquet fails as its schema is read, before generating
     except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowInvalid) as error:
-        if disk_full_cause(error) is not None:  # not the file's fault: build_once says so
+        if disk_full_cause(error) is not None or not files or builder not in READ_FIXES:
             raise
         shown, why = _unreadable_file(builder, files, cache_dir, error)
         raise ValueError(f"{key}: cannot read {shown} ({why}); {READ_FIXES[builder]}") from error
@@ -414,9 +428,9 @@ def _unreadable_file(
     """Which of `files` `datasets` failed to read with `error`, and why, in one line. A JSON
     Lines file is read here line by line: `datasets` counts the rows of its message from the
     start of its 10 MB chunk, and calls a cut-off line an "invalid encoding". Of several files
-    of another format, each is read alone as a stream (nothing cached) until one fails: the
-    error does not say which file it comes from. Where none fails alone, they are named
-    together: they fail as one dataset."""
+    where that finds nothing (of another format), each is read alone as a stream (nothing
+    cached) until one fails: the error does not say which file it comes from. Where none
+    fails alone, they are named together: they fail as one dataset."""
     import datasets
 
     if builder == "json":
@@ -435,11 +449,11 @@ def _unreadable_file(
                 ):
                     pass
             except ValueError as file_error:  # pandas', pyarrow's and decoding errors all are
-                return str(file), one_line(file_error)
-    return ", ".join(map(str, files)), one_line(error.__cause__ or error)
+                return str(file), _one_line(file_error)
+    return ", ".join(map(str, files)), _one_line(error.__cause__ or error)
 
 
-def one_line(error: BaseException) -> str:
+def _one_line(error: BaseException) -> str:
     """An error's message on one line: pandas ends its own with a newline, `datasets` spreads
     a schema over several."""
     return " ".join(str(error).split())
@@ -499,7 +513,9 @@ def load_hub(
         _check_before_reading(builder, title, key, splits or {}, columns or {})
         if streaming:
             return builder.as_streaming_dataset()
-        builder.download_and_prepare()
+        # a directory's files, named if one cannot be read (the Hub's are read as they are)
+        with _naming_unreadable_files(builder.name, _local_files(builder), cache_dir, key):
+            builder.download_and_prepare()
         return builder.as_dataset()
     except ConnectionError as err:  # what `datasets` raises when the Hub does not answer
         raise ValueError(
@@ -530,8 +546,14 @@ def _check_before_reading(
     # Without a card, `datasets` gives every split the columns of the first file of its
     # data_files, so all of them are checked together (a file on the Hub is not read here: it
     # is checked once read).
+    check_file_columns(_local_files(builder), columns, key)
+
+
+def _local_files(builder: "datasets.DatasetBuilder") -> list[Path]:
+    """The data files of `builder` on this machine (a directory's), of every split, in the
+    order `datasets` reads them."""
     files = [f for split in (builder.config.data_files or {}).values() for f in split]
-    check_file_columns([Path(f) for f in files if os.path.isfile(f)], columns, key)
+    return [Path(f) for f in files if os.path.isfile(f)]
 
 
 def hub_title(name: str, config: str | None) -> str:

@@ -367,6 +367,23 @@ def test_a_file_datasets_cannot_read_is_named_with_its_fault(
         module.prepare_data()
 
 
+def test_a_hub_directory_file_datasets_cannot_read_is_named_with_its_fault(tmp_path):
+    """A directory given as data.hub_name is read by its `datasets` builder, not by read_files:
+    a file it cannot read is named all the same, with the line."""
+    folder = tmp_path / "hub" / "data"
+    folder.mkdir(parents=True)
+    (folder / "test-00000-of-00001.jsonl").write_text('{"source": "a", "target": "b"}\n' * 3)
+    train = folder / "train-00000-of-00001.jsonl"
+    train.write_text('{"source": "a", "target": "b"}\n' * 40 + '{"source": "a", "tar\n')
+    module = Seq2SeqDataModule(task="pairs", hub_name=str(folder.parent), cache_dir=tmp_path)
+    message = (
+        f"data.hub_name: cannot read {train} (line 41 is not JSON: Unterminated string starting "
+        f"at column 17); {JSON_FIX}"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        module.prepare_data()
+
+
 def test_hub_dataset_offline_is_explained(cache_dir, monkeypatch):
     # The Hub does not answer here: `datasets` would retry for ~25 s before failing, so it is
     # told up front that it is offline (what HF_HUB_OFFLINE=1 does at import time).
