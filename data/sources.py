@@ -304,6 +304,10 @@ def first_row_columns(path: Path) -> list[str] | None:
     return list(row) if isinstance(row, dict) else None
 
 
+# Files whose columns first_row_columns tells by their first row, not all of their rows
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
 def check_file_columns(
     files: Sequence[Path], columns: dict[str, str], together: str | None = None
 ) -> None:
@@ -315,12 +319,16 @@ def check_file_columns(
     data.paths, a card-less dataset's splits): it takes the columns of the first file, fills
     those another file lacks with nulls, and refuses, in a traceback, a file with a column
     more. Such a file, and one that lacks a column of `columns` that the first file has, is
-    refused first, naming both files: it is the files that disagree, not the option."""
+    refused first, naming both files: it is the files that disagree, not the option. A column
+    more is told only against a first file's header or schema: the first row of JSON may lack
+    keys of later rows, which `datasets` counts among the file's columns."""
     told = [(file, names) for file in files if (names := first_row_columns(file)) is not None]
     if together and told and told[0][0] == files[0]:  # else the first file's columns are unknown
         first, first_names = told[0]
+        exact = first.suffix.lower() not in JSON_SUFFIXES
         for file, names in told[1:]:
-            if set(names) - set(first_names) or set(columns) & set(first_names) - set(names):
+            more = set(names) - set(first_names) if exact else set()
+            if more or set(columns) & set(first_names) - set(names):
                 raise ValueError(
                     f"{together}: {file} has the columns {names} and {first} has {first_names}, "
                     "but the files of a dataset must share their columns (`datasets` gives them "
@@ -328,7 +336,7 @@ def check_file_columns(
                 )
     for file, names in told:
         # JSON has no header: its first row stands for the file, and the message says so
-        json_rows = file.suffix.lower() in (".jsonl", ".json")
+        json_rows = file.suffix.lower() in JSON_SUFFIXES
         where = f"the first row of {file}" if json_rows else str(file)
         for column, key in columns.items():
             check_column(names, column, where, key)
@@ -418,25 +426,23 @@ def _naming_unreadable_files(
     except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowInvalid) as error:
         if disk_full_cause(error) is not None or not files or builder not in READ_FIXES:
             raise
-        shown, why = _unreadable_file(builder, files, cache_dir, error)
-        raise ValueError(f"{key}: cannot read {shown} ({why}); {READ_FIXES[builder]}") from error
+        raise ValueError(f"{key}: {_unreadable(builder, files, cache_dir, error)}") from error
 
 
-def _unreadable_file(
-    builder: str, files: Sequence[Path], cache_dir: Path, error: Exception
-) -> tuple[str, str]:
-    """Which of `files` `datasets` failed to read with `error`, and why, in one line. A JSON
-    Lines file is read here line by line: `datasets` counts the rows of its message from the
-    start of its 10 MB chunk, and calls a cut-off line an "invalid encoding". Of several files
-    where that finds nothing (of another format), each is read alone as a stream (nothing
-    cached) until one fails: the error does not say which file it comes from. Where none
-    fails alone, they are named together: they fail as one dataset."""
+def _unreadable(builder: str, files: Sequence[Path], cache_dir: Path, error: Exception) -> str:
+    """Which of `files` `datasets` failed to read with `error`, why, and what to check, in one
+    line. A JSON Lines file is read here line by line: `datasets` counts the rows of its message
+    from the start of its 10 MB chunk, and calls a cut-off line an "invalid encoding". Of
+    several files where that finds nothing, each is read alone as a stream (nothing cached)
+    until one fails: the error does not say which file it comes from. Where none fails alone,
+    they fail as one dataset: their columns disagree in a way their first rows did not tell
+    (check_file_columns)."""
     import datasets
 
     if builder == "json":
         for file in files:
             if problem := json_lines_problem(file):
-                return str(file), problem
+                return f"cannot read {file} ({problem}); {READ_FIXES[builder]}"
     if len(files) > 1:
         for file in files:
             try:
@@ -449,8 +455,13 @@ def _unreadable_file(
                 ):
                     pass
             except ValueError as file_error:  # pandas', pyarrow's and decoding errors all are
-                return str(file), _one_line(file_error)
-    return ", ".join(map(str, files)), _one_line(error.__cause__ or error)
+                return f"cannot read {file} ({_one_line(file_error)}); {READ_FIXES[builder]}"
+        shown = ", ".join(map(str, files))
+        return (
+            f"cannot read {shown} as one dataset ({_one_line(error.__cause__ or error)}); the "
+            "files of a dataset must share their columns: give every file the same columns"
+        )
+    return f"cannot read {files[0]} ({_one_line(error.__cause__ or error)}); {READ_FIXES[builder]}"
 
 
 def _one_line(error: BaseException) -> str:

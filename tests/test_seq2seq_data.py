@@ -296,22 +296,44 @@ def test_a_file_without_a_column_is_refused_before_it_is_read(name, where, colum
 
 
 def test_pairs_files_of_other_columns_are_refused_naming_both(pair_files, tmp_path):
-    """`datasets` reads the files (a card-less dataset's splits) as one, with the columns of the
-    first: a later file with a column more failed in a traceback once read. It is refused with
-    the config (before the rows are read), naming both files; one with a column fewer is filled
-    with nulls by `datasets`, and passes."""
-    plain = pair_files / "plain.jsonl"
-    plain.write_text('{"source": "line", "target": "enil"}\n' * 40)
-    with_id = pair_files / "pairs.jsonl"  # the fixture's: source, target and id
-    Seq2SeqDataConfig(task="pairs", paths=[str(with_id), str(plain)])
+    """`datasets` reads the files as one dataset, with the columns of the first: a later file
+    with a column more failed in a traceback once read. It is refused with the config (before
+    the rows are read), naming both files; one with a column fewer is filled with nulls by
+    `datasets`, and passes."""
+    with_id = pair_files / "with_id.csv"
+    with_id.write_text("de,en,id\n" + "line,enil,0\n" * 40)
+    plain = pair_files / "pairs.csv"  # the fixture's: de, en
+    names = {"source_column": "de", "target_column": "en"}
+    Seq2SeqDataConfig(task="pairs", paths=[str(with_id), str(plain)], **names)
     message = (
-        f"data.paths: {with_id} has the columns ['source', 'target', 'id'] and {plain} has "
-        "['source', 'target'], but the files of a dataset must share their columns (`datasets` "
-        "gives them all the first file's); give every file the same columns"
+        f"data.paths: {with_id} has the columns ['de', 'en', 'id'] and {plain} has ['de', 'en'], "
+        "but the files of a dataset must share their columns (`datasets` gives them all the "
+        "first file's); give every file the same columns"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        Seq2SeqDataConfig(task="pairs", paths=[str(plain), str(with_id)])
-    # A Hub dataset's test split, which data=pairs does not read, is generated all the same.
+        Seq2SeqDataConfig(task="pairs", paths=[str(plain), str(with_id)], **names)
+    # A JSON file's first row does not tell all of its columns: `datasets` finds "note" in the
+    # first file's second row, so a file whose first row has it reads well; one with a column
+    # that no row of the first file has is found once read.
+    row = '{"source": "a", "target": "b"}\n'
+    noted = '{"source": "a", "target": "b", "note": "n"}\n'
+    (pair_files / "sparse.jsonl").write_text(row + noted * 40)
+    (pair_files / "noted.jsonl").write_text(noted * 40)
+    paths = [str(pair_files / name) for name in ("sparse.jsonl", "noted.jsonl", "pairs.jsonl")]
+    module = prepared(task="pairs", paths=paths[:2], batch_size=4, cache_dir=tmp_path / "cache")
+    assert len(texts(module, "train")) + len(texts(module, "val")) == 81
+    message = f"data.paths: cannot read {', '.join(paths)} as one dataset (Couldn't cast "
+    fix = (
+        "because column names don't match); the files of a dataset must share their columns: "
+        "give every file the same columns"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}.* {re.escape(fix)}$"):
+        prepared(task="pairs", paths=paths, cache_dir=tmp_path / "cache")
+
+
+def test_a_hub_directory_whose_splits_differ_in_columns_is_refused_naming_both(tmp_path):
+    """Its test split, which data=pairs does not read, is generated all the same: a column more
+    there failed in a traceback, and is refused before a split is generated."""
     folder = tmp_path / "hub" / "data"
     folder.mkdir(parents=True)
     rows = {"source": ["line 0", "line 1"], "target": ["0 enil", "1 enil"]}
