@@ -1,7 +1,7 @@
 """Next-token language-modelling data: a corpus (the embedded Shakespeare, local text files or a
 Hub dataset) split into train/val, tokenized once into a cache of flat token arrays, and served
 as (x, y) blocks with y one token ahead of x. The Lightning DataModule; the plain pieces it is
-built from are data/lm_text.py's and data/sources.py's."""
+built from are data/lm_text.py's, data/sources.py's and data/local_files.py's."""
 
 import hashlib
 import json
@@ -25,16 +25,13 @@ from data.lm_text import (
     texts_of,
     whole_batch,
 )
+from data.local_files import TEXT_BUILDERS, expand_paths, file_fingerprint, load_text_files
 from data.sources import (
-    TEXT_BUILDERS,
-    expand_paths,
-    file_fingerprint,
     hub_text,
     hub_title,
     hub_val_split,
     load_hub,
     load_shakespeare,
-    load_text_files,
     most_tail_documents,
     shakespeare_version,
     splits_by_tail,

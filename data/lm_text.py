@@ -14,17 +14,19 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.sources import (
+from data.local_files import (
     TEXT_BUILDERS,
     check_file_columns,
     expand_paths,
+    load_text_files,
+    path_list,
+)
+from data.sources import (
     hub_text,
     hub_title,
     hub_val_split,
     load_hub,
     load_shakespeare,
-    load_text_files,
-    path_list,
     splits_by_tail,
     tail_split,
     whole_split,

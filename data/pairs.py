@@ -11,14 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data.sources import (
-    check_column,
-    expand_paths,
-    hub_split,
-    hub_title,
-    load_hub,
-    read_files,
-)
+from data.local_files import check_column, expand_paths, read_files
+from data.sources import hub_split, hub_title, load_hub
 
 if TYPE_CHECKING:  # it imports this module
     from data.seq2seq_text import Seq2SeqDataConfig

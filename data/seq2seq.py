@@ -11,6 +11,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from data.cache import CachedDataModule, entry_path, write_marker
+from data.local_files import expand_paths, file_fingerprint
 from data.metrics import character_error_rate
 from data.pairs import FILE_FORMATS, MASK, Ragged
 from data.sampler import evaluation_order
@@ -23,7 +24,7 @@ from data.seq2seq_text import (
     drop_empty_sources,
     encode_pairs,
 )
-from data.sources import expand_paths, file_fingerprint, shakespeare_version
+from data.sources import shakespeare_version
 from data.tokenizer import CharTokenizer, token_dtype
 from errors import config_from, is_int
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from data.local_files import check_file_columns, expand_paths, path_list
 from data.pairs import (
     FILE_FORMATS,
     MASK,
@@ -25,13 +26,7 @@ from data.pairs import (
     passages,
     split_rows,
 )
-from data.sources import (
-    check_file_columns,
-    expand_paths,
-    load_shakespeare,
-    path_list,
-    train_val_split,
-)
+from data.sources import load_shakespeare, train_val_split
 from data.tokenizer import CharTokenizer
 from errors import check, check_field_types, check_int
 

