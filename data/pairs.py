@@ -159,7 +159,6 @@ def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
     if c.hub_name:
         name = hub_title(c.hub_name, c.hub_config)
         fix = "data=pairs data.paths=[pairs.jsonl]"
-        columns = {c.source_column: "data.source_column", c.target_column: "data.target_column"}
         splits = load_hub(
             c.hub_name,
             c.hub_config,
@@ -167,15 +166,15 @@ def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
             key="data.hub_name",
             local_fix=fix,
             splits={"train": "data.hub_name"},
-            columns=columns,
+            columns=c.columns,
         )
         ds = hub_split(splits, "train", name, "data.hub_name")
     else:
         files = expand_paths(c.paths, list(FILE_FORMATS))
         name = ", ".join(str(f) for f in files)
         ds = read_files(file_format(files), files, Path(c.cache_dir), "data.paths")
-    for key in ("source_column", "target_column"):
-        check_column(ds.column_names, getattr(c, key), name, f"data.{key}")
+    for column, key in c.columns.items():
+        check_column(ds.column_names, column, name, key)
     rows = [
         (str(s), str(t))
         for s, t in zip(ds[c.source_column], ds[c.target_column], strict=True)

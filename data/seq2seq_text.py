@@ -98,9 +98,12 @@ class Seq2SeqDataConfig:
         if self.paths:  # a missing file, files of two formats, a missing column: here, first
             files = expand_paths(self.paths, list(FILE_FORMATS))
             file_format(files)
-            columns = {self.source_column: "data.source_column"}
-            columns[self.target_column] = "data.target_column"
-            check_file_columns(files, columns, together="data.paths")
+            check_file_columns(files, self.columns, together="data.paths")
+
+    @property
+    def columns(self) -> dict[str, str]:
+        """The pairs' columns, each with the option that names it: {column: "data.<option>"}."""
+        return {self.source_column: "data.source_column", self.target_column: "data.target_column"}
 
 
 # --- Token ids and batches ---------------------------------------------------------------------
