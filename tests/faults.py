@@ -29,6 +29,21 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SignalAtBatch(L.Callback):
+    """Send this process the signal `signum` before training batch `batch + 1` (counted over
+    all epochs), once `batch` batches are trained and any checkpoint written after them is on
+    disk: where batches accumulate, a stop inside a step."""
+
+    def __init__(self, batch: int, signum: int) -> None:
+        self.batch, self.signum = batch, signum
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        # the batch starting is counted already: the ones before it are its index
+        if trainer.ckpt_path is None and trainer.fit_loop.total_batch_idx == self.batch:
+            trainer.strategy.checkpoint_io.wait()
+            os.kill(os.getpid(), self.signum)
+
+
 class SignalDuringValidation(L.Callback):
     """Send this process the signal `signum` in the validation after step `step`, once its
     first batch is done."""

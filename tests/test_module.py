@@ -338,3 +338,51 @@ def test_throughput_is_logged_once_a_step_when_batches_accumulate(monkeypatch):
     # the window opens at the first batch's end; step 2 ends 1.5 s and 3 batches later, step 4
     # 2.5 s and 4 batches after that
     assert rates == [pytest.approx(3 * 8 / 1.5), pytest.approx(4 * 8 / 2.5)]
+
+
+def test_a_steps_gradients_so_far_are_saved_and_come_back_to_their_rank(monkeypatch):
+    # Lightning's hooks driven by hand: a checkpoint written between a backward and the step
+    # holds the gradients (stacked over the ranks), one written once the step took them does
+    # not; resumed, each rank gets its own back, or the ranks' mean on another number of ranks.
+    tokenizer = CharTokenizer(list("abcde"))
+    config = tiny_gpt_config(tokenizer.vocab_size, n_layer=1).to_dict()
+
+    def started(checkpoint: dict, rank: int = 0, ranks: int = 1) -> LanguageModelModule:
+        """A module loaded from `checkpoint`, as training starts on process `rank` of `ranks`."""
+        module = LanguageModelModule(config, {"lr": 1e-3}, tokenizer.to_dict())
+        module.trainer = SimpleNamespace(
+            global_rank=rank, world_size=ranks, estimated_stepping_batches=10
+        )
+        scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+        monkeypatch.setattr(module, "lr_schedulers", lambda: scheduler)
+        module.on_load_checkpoint(checkpoint)
+        module.on_train_start()
+        return module
+
+    module = started({})
+    batch = (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+    module.loss(batch)[0].backward()
+    module.on_after_backward()
+    gradients = {name: p.grad.clone() for name, p in module.named_parameters()}
+    inside, after = {}, {}
+    module.on_save_checkpoint(inside)
+    module.on_before_optimizer_step(None)
+    module.on_save_checkpoint(after)
+    assert "partial_gradients" not in after  # the step took them: nothing to keep
+    saved = inside["partial_gradients"]
+    assert saved.keys() == gradients.keys()
+    assert all(torch.equal(saved[name], gradient[None]) for name, gradient in gradients.items())
+
+    buffer = io.BytesIO()
+    torch.save(inside, buffer)
+    buffer.seek(0)
+    resumed = started(torch.load(buffer, weights_only=True))  # as checkpoints load
+    for name, parameter in resumed.named_parameters():
+        assert torch.equal(parameter.grad, gradients[name]), name
+    assert all(parameter.grad is None for parameter in started(after).parameters())
+
+    two = {"partial_gradients": {name: torch.stack([g, 3 * g]) for name, g in gradients.items()}}
+    for rank, ranks, factor in [(1, 2, 3), (0, 1, 2), (3, 4, 2)]:
+        resumed = started(two, rank, ranks)
+        for name, parameter in resumed.named_parameters():
+            assert torch.allclose(parameter.grad, factor * gradients[name]), (name, rank, ranks)

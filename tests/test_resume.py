@@ -85,8 +85,8 @@ def test_killed_run_resumes_to_the_same_weights_and_history(
     )
     assert killed.returncode == status, killed.stderr[-3000:]
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
-    # A stop signal ends the step under way and checkpoints it.
-    assert saved["global_step"] == step + 1
+    # A stop signal ends the step under way and checkpoints it, with no gradients: applied.
+    assert saved["global_step"] == step + 1 and "partial_gradients" not in saved
     name = signal.Signals(signum).name
     assert (
         f"stopped by {name} after step {step + 1}; saved {run_dir}/checkpoints/last.ckpt; "
@@ -194,9 +194,10 @@ def test_sigkilled_job_repeating_its_command_with_ckpt_path_last_resumes_exactly
     assert steps == [29, 39]  # Lightning logs the step before it counts it: 30 and 40
 
 
-def batches_trained(run_dir: Path) -> list[tuple]:
-    """(step, fingerprints of its examples) of every batch, in order (callbacks=batch_log)."""
-    lines = (run_dir / "batches" / "rank0.jsonl").read_text().splitlines()
+def batches_trained(run_dir: Path, rank: int = 0) -> list[tuple]:
+    """(step, fingerprints of its examples) of every batch of process `rank`, in order
+    (callbacks=batch_log)."""
+    lines = (run_dir / "batches" / f"rank{rank}.jsonl").read_text().splitlines()
     return [(row["step"], tuple(row["examples"])) for row in map(json.loads, lines)]
 
 
@@ -311,6 +312,85 @@ def test_a_run_without_validation_resumed_twice_trains_on_the_same_batches(
 
     assert batches_trained(stopped) == batches_trained(straight)
     final, expected = weights(stopped), weights(straight)
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+
+
+@pytest.fixture(scope="module")
+def accumulating(tmp_path_factory, cache) -> tuple[list[str], Path]:
+    """A run of epochs of 7 batches in steps of 3 (batches 1-3, 4-6, then 7 alone), validated
+    every 4 batches, so each validation but the last step's is inside a step, and its
+    checkpoint with it (all kept); and that run trained straight to step 6, 14 batches."""
+    text = tmp_path_factory.mktemp("words") / "words.txt"
+    text.write_text(" ".join(f"word{i * 7 % 31}" for i in range(120)))
+    run = [*SMALLEST, "data=text_files", f"data.paths=[{text}]", "callbacks=batch_log"]
+    run += ["+trainer.accumulate_grad_batches=3", "+trainer.limit_train_batches=7"]
+    run += ["trainer.val_check_interval=4", "callbacks.model_checkpoint.save_top_k=-1"]
+    run += ["trainer.log_every_n_steps=2", "trainer.deterministic=true"]
+    straight = tmp_path_factory.mktemp("straight_accumulating")
+    result = run_training(cache, *run, "trainer.max_steps=6", f"hydra.run.dir={straight}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(batches_trained(straight)) == 14
+    last = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 6 and "partial_gradients" not in last  # at a step's end
+    return run, straight
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("batch", "step", "position"),
+    [
+        (5, 1, {"epoch": 0, "batch": 5}),  # the second of step 2's three batches
+        (12, 4, {"epoch": 1, "batch": 5}),  # the second of step 5's, and validated
+    ],
+    ids=["mid_step", "mid_step_validated"],
+)
+def test_a_run_stopped_inside_an_accumulated_step_resumes_exactly(
+    tmp_path, cache, accumulating, batch, step, position
+):
+    run, straight = accumulating
+    stopped = tmp_path / "stopped"
+    stop = fault("SignalAtBatch", batch=batch - 1, signum=signal.SIGTERM)  # stops after `batch`
+    first = run_training(cache, *run, "trainer.max_steps=6", *stop, f"hydra.run.dir={stopped}")
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == step and saved["LMDataModule"] == position
+    assert "partial_gradients" in saved
+    resumed = run_training(cache, f"ckpt_path={stopped}", "trainer.max_steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    assert batches_trained(stopped) == batches_trained(straight)
+    final, expected = weights(stopped), weights(straight)
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+    assert logged_steps(stopped, start=step) == logged_steps(straight, start=step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one_process", "ddp_two_processes"])
+def test_a_checkpoint_validated_inside_an_accumulated_step_resumes_exactly(
+    tmp_path, cache, accumulating, ranks
+):
+    # Step 3's validation, after batch 8: the first of step 4's three batches (the second epoch's
+    # first), resumed from its file in a new run directory. Until the step all-reduces them, each
+    # rank's gradients are its own: the checkpoint keeps every rank's.
+    run, straight = accumulating
+    if ranks == 2:
+        straight = tmp_path / "straight"
+        ddp = [*run, "trainer=ddp_cpu", "trainer.max_steps=6", f"hydra.run.dir={straight}"]
+        result = run_training(cache, *ddp)
+        assert result.returncode == 0, result.stderr[-3000:]
+    inside = tmp_path / "inside_a_step.ckpt"
+    shutil.copyfile(straight / "checkpoints" / "best-step3.ckpt", inside)
+    gradients = torch.load(inside, weights_only=True)["partial_gradients"]
+    assert {len(stacked) for stacked in gradients.values()} == {ranks}
+    run_dir = tmp_path / "resumed"
+    resumed = run_training(cache, f"ckpt_path={inside}", f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    for rank in range(ranks):
+        assert batches_trained(run_dir, rank) == batches_trained(straight, rank)[8:]
+    final, expected = weights(run_dir), weights(straight)
     for key in expected:
         assert torch.equal(final[key], expected[key]), key
 

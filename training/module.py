@@ -125,6 +125,10 @@ class TrainingModule(L.LightningModule):
         self._step_loss: Tensor | None = None
         self._trainable: list[Tensor] | None = None
         self._update_guard = UpdateGuard()
+        # The gradients hold batches that no optimizer step has applied yet: a step under way,
+        # its batches accumulating (+trainer.accumulate_grad_batches).
+        self._unapplied_gradients = False
+        self._gradients_to_restore: dict[str, Tensor] | None = None  # until training starts
 
     def loss(self, batch) -> tuple[Tensor, Tensor, Tensor | int]:
         """(loss, logits, number of real tokens in the batch)."""
@@ -172,6 +176,14 @@ class TrainingModule(L.LightningModule):
             self._window_start, self._window_tokens = now, 0
             self._window_logged_at = step
 
+    def on_after_backward(self) -> None:
+        self._unapplied_gradients = True
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Applied from here on, though they stay until the next step's first batch zeroes them:
+        # that there are gradients does not tell a step under way.
+        self._unapplied_gradients = False
+
     def on_validation_start(self) -> None:
         self._window_start = None  # validation time is not training throughput
 
@@ -182,11 +194,15 @@ class TrainingModule(L.LightningModule):
         self._act_on_skipped_updates()  # nothing is saved after a diverged step
         checkpoint["skipped_steps"] = self.skipped_steps
         checkpoint["best_val_loss"] = self.best_val_loss
+        if self._unapplied_gradients:  # written inside a step: its batches' sum so far
+            checkpoint["partial_gradients"] = self._partial_gradients()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
         # checkpoints from before val/best_loss have none: every loss since is the best so far
         self.best_val_loss = checkpoint.get("best_val_loss", math.inf)
+        # Put back as training starts: Lightning zeroes the gradients after loading.
+        self._gradients_to_restore = checkpoint.get("partial_gradients")
         # Checkpoints from before attention's q, k and v projections were joined: the model
         # joins their weights as it loads them, and the optimizer state is joined alike here,
         # before Lightning hands it to the optimizer.
@@ -198,7 +214,33 @@ class TrainingModule(L.LightningModule):
                 join_saved_state(state, groups, saved) for state in checkpoint["optimizer_states"]
             ]
 
+    def _partial_gradients(self) -> dict[str, Tensor]:
+        """The gradients summed so far over the batches of the step under way, by parameter
+        name, each stacked over the ranks: until the step all-reduces them, each rank holds the
+        sum over its own batches. A collective: every rank saves each checkpoint."""
+        gradients = {name: p.grad for name, p in self.named_parameters() if p.grad is not None}
+        if self.trainer.world_size == 1:
+            return {name: gradient[None] for name, gradient in gradients.items()}
+        return self.all_gather(gradients)
+
+    def _restore_partial_gradients(self) -> None:
+        """Give the parameters the gradients that a checkpoint written inside a step saved for
+        this rank: the resumed run's next batch is not a step's first, so Lightning adds to them
+        instead of zeroing them, as the interrupted run did. Resumed on another number of ranks,
+        every rank takes the saved ranks' mean (a step's gradient is the mean over ranks)."""
+        saved, self._gradients_to_restore = self._gradients_to_restore, None
+        if saved is None:
+            return
+        parameters = dict(self.named_parameters())
+        rank, ranks = self.trainer.global_rank, self.trainer.world_size
+        for name, stacked in saved.items():
+            gradient = stacked[rank] if len(stacked) == ranks else stacked.mean(0)
+            parameter = parameters[name]
+            parameter.grad = gradient.to(parameter.device, parameter.dtype)
+        self._unapplied_gradients = True
+
     def on_train_start(self) -> None:
+        self._restore_partial_gradients()
         # A run resumed with another optim.lr or muon_lr: the restored schedule keeps the
         # checkpoint's base rates, so rescale them (and this step's rates) to the ones asked for.
         scheduler = self.lr_schedulers()

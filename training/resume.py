@@ -6,7 +6,9 @@ continues with, what it may not change, what its checkpoints carry, and how it s
   depends on; without it, a fresh run may not overwrite another's checkpoints.
 - Lightning saves weights, optimizer, scheduler, step counters and callbacks' states.
   ResumeState adds the random streams (dropout draws from them) and the W&B run a resumed run
-  continues; the data module saves its position in the training data (data/cache.py).
+  continues; the data module saves its position in the training data (data/cache.py), and
+  the LightningModule, in a checkpoint written inside a step whose batches accumulate, the
+  gradients summed so far (training/module.py).
   ExactRestart corrects Lightning's saved loop counts where its restart would misread them
   (checkpoints written at or after an epoch's end, or in the last step's validation).
 - StopSignals turns SIGINT, like SIGTERM, into a stop at the next step boundary with a
@@ -435,9 +437,10 @@ def last_checkpoint_path(trainer: L.Trainer) -> Path | None:
 
 class StopSignals(L.Callback):
     """SIGTERM (a cluster pre-empting the job) and SIGINT (Ctrl-C) stop training at the next step
-    boundary, where the state is whole, and write last.ckpt there. A Ctrl-C during a validation
-    lets it finish first (its loss, and a best checkpoint, would otherwise be lost: the resumed
-    run does not repeat it). A second Ctrl-C quits at once.
+    boundary, where the state is whole, and write last.ckpt there (where batches accumulate,
+    Lightning stops after the current batch: the checkpoint keeps the step's gradients so far).
+    A Ctrl-C during a validation lets it finish first (its loss, and a best checkpoint, would
+    otherwise be lost: the resumed run does not repeat it). A second Ctrl-C quits at once.
 
     Lightning already turns SIGTERM into a SIGTERMException at a step boundary, on every rank of a
     distributed run; SIGINT is routed through the same path. After fit() raises a
