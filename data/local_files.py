@@ -178,6 +178,16 @@ def with_text_column(ds, column: str, where: str):
     return ds if column == "text" else ds.rename_column(column, "text")
 
 
+def is_blank(path: Path) -> bool:
+    """Whether the file `path` holds nothing but ASCII whitespace, if anything, read only up to
+    its first other byte: a file of text is told apart in its first chunk, not read whole."""
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():  # bytes.strip: ASCII whitespace, what an empty file may hold
+                return False
+    return True
+
+
 def load_text_files(
     files: Sequence[Path],
     text_column: str,
@@ -193,7 +203,7 @@ def load_text_files(
     parts = []
     for f in files:
         builder = TEXT_BUILDERS[f.suffix.lower()]  # expand_paths took no other
-        if not f.read_bytes().strip():
+        if is_blank(f):
             continue  # an empty file holds no document (and `datasets` cannot type its rows)
         options = {"sample_by": "paragraph"} if builder == "text" else {}
         ds = read_files(builder, [f], cache_dir, key, streaming, **options)

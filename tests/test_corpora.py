@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 from pathlib import Path
 
 import datasets
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from data.lm import LMDataModule
+from data.local_files import load_text_files
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from helpers import ROOT, clean_env
 
@@ -152,6 +154,29 @@ def test_empty_and_broken_files(corpus, tmp_path):
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         prepared(source="text_files", paths=[str(broken)], cache_dir=tmp_path)
+
+
+def test_a_file_is_told_empty_from_its_first_bytes_not_read_whole(tmp_path, monkeypatch):
+    """Empty is nothing but ASCII whitespace, as ever; a file of text says it is not in its first
+    bytes, so a large one is no longer read into memory whole only to be told apart."""
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x" * (32 << 20))
+    one_row = datasets.Dataset.from_dict({"text": ["x"]})
+    monkeypatch.setattr("data.local_files.read_files", lambda *args, **kwargs: one_row)
+    tracemalloc.start()
+    try:
+        load_text_files([big], "text", tmp_path / "cache")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes held to tell whether a 32 MiB file is empty"
+    # Text after more whitespace than the first bytes read is found; whitespace alone is empty.
+    blank, late = tmp_path / "blank.txt", tmp_path / "late.txt"
+    blank.write_bytes(b" \n\t\r\x0b\x0c" * 50_000)
+    late.write_bytes(b" \n" * 100_000 + b"x")
+    assert load_text_files([blank, late], "text", tmp_path / "cache")["text"] == ["x"]
+    with pytest.raises(ValueError, match=r"data.paths: every file is empty \(.*blank.txt\)"):
+        load_text_files([blank], "text", tmp_path / "cache")
 
 
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
