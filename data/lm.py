@@ -21,6 +21,7 @@ from data.lm_text import (
     LMDataConfig,
     TokenBlocks,
     TokenWriter,
+    documents_of,
     encode_held_out,
     texts_of,
     whole_batch,
@@ -57,15 +58,14 @@ BPE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 def _split_rows(batch: dict, indices: list[int], val_fraction: float) -> dict:
     """Each document's train and val parts: all of it for one document in every
     1/val_fraction, nothing of the others."""
-    parts = [
-        whole_split(text, i, val_fraction) for text, i in zip(batch["text"], indices, strict=True)
-    ]
+    texts = documents_of(batch)
+    parts = [whole_split(text, i, val_fraction) for text, i in zip(texts, indices, strict=True)]
     return {"train": [t for t, _ in parts], "val": [v for _, v in parts]}
 
 
 def _whole_rows(batch: dict, split: str) -> dict:
     """Each document whole in `split` ("train" or "val"), nothing in the other."""
-    texts = [text.strip("\n") for text in batch["text"]]  # separators come between documents
+    texts = [text.strip("\n") for text in documents_of(batch)]  # separators come between them
     empty = [""] * len(texts)
     return {"train": texts, "val": empty} if split == "train" else {"train": empty, "val": texts}
 

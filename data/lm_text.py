@@ -222,9 +222,17 @@ def whole_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor,
 def texts_of(
     ds: "datasets.Dataset | datasets.IterableDataset", column: str = "text"
 ) -> Iterator[str]:
-    """The strings of a dataset's `column`, read batch by batch (a stream, as it comes)."""
+    """The strings of a dataset's `column`, read batch by batch (a stream, as it comes); "" for
+    a row without one (documents_of)."""
     for batch in ds.iter(batch_size=BATCH_ROWS):
-        yield from batch[column]
+        yield from documents_of(batch, column)
+
+
+def documents_of(batch: dict, column: str = "text") -> list[str]:
+    """The texts of a batch's `column`, "" for a row without one: `datasets` reads a JSON Lines
+    row that lacks the key as None (a null of a Hub dataset too), and such a row holds no
+    document."""
+    return [text or "" for text in batch[column]]
 
 
 # --- What evaluate.py scores ---------------------------------------------------------------------

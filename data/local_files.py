@@ -1,5 +1,5 @@
 """Data files on this machine, read with Hugging Face `datasets`: `data.paths` expanded and
-fingerprinted, their columns told from their first row before anything is read, and the files
+fingerprinted, their columns told from their first rows before anything is read, and the files
 read into one dataset, a file `datasets` cannot read named in one line with its fault."""
 
 import codecs
@@ -132,29 +132,73 @@ def first_row_columns(path: Path) -> list[str] | None:
     return list(row) if isinstance(row, dict) else None
 
 
-# Files whose columns first_row_columns tells by their first row, not all of their rows
+# Files of JSON rows, which have no header: the keys of their rows are their columns
 JSON_SUFFIXES = (".jsonl", ".json")
+# How much of a JSON Lines file `datasets` reads to find its columns: its JSON reader's first
+# chunk (JsonConfig.chunksize) and the rest of the line that chunk ends in. Every key of a row
+# there is a column, null in the rows that lack it; a key first met further on fails the read
+# as a column too many.
+JSON_COLUMNS_BYTES = 10 << 20
+
+
+def json_lines_keys(path: Path, wanted: Collection[str]) -> tuple[list[str], bool]:
+    """The keys of the rows of the JSON Lines file `path` that `datasets` finds its columns in
+    (those that start in its first JSON_COLUMNS_BYTES), in the order met, read only until every
+    one of `wanted` is among them: where the first row holds them, no further. And whether the
+    whole file was read. Lines that are no JSON object are passed over: reading names them."""
+    keys: dict[str, None] = {}
+    start = 0  # where the next line starts
+    with open(path, "rb") as file:
+        for line in file:
+            if start > JSON_COLUMNS_BYTES:
+                return list(keys), False
+            start += len(line)
+            try:
+                row = json.loads(line)  # from bytes: a byte-order mark passes, as in `datasets`
+            except ValueError:  # not JSON, or not UTF-8
+                continue
+            if isinstance(row, dict):
+                keys.update(dict.fromkeys(row))
+                if keys.keys() >= set(wanted):
+                    break
+    return list(keys), start == path.stat().st_size
+
+
+def told_columns(path: Path, wanted: Collection[str]) -> tuple[list[str], str] | None:
+    """The columns of the data file `path` as far as they can be told before `datasets` reads
+    it, and where they were told, for messages: a CSV file's header or a Parquet file's schema
+    (the file), or the keys of a JSON Lines file's rows, read until each of `wanted` is found
+    (json_lines_keys: the file, or the part of it that `datasets` finds its columns in). None
+    where its first row cannot tell (another format, a JSON array): they are checked once read."""
+    names = first_row_columns(path)
+    if names is None or path.suffix.lower() not in JSON_SUFFIXES:
+        return None if names is None else (names, str(path))
+    keys, whole = json_lines_keys(path, wanted)
+    if whole:
+        return keys, str(path)
+    head = f"its first {JSON_COLUMNS_BYTES >> 20} MiB"
+    return keys, f"the rows of {path} in {head}, where `datasets` finds the columns of JSON Lines"
 
 
 def check_file_columns(
     files: Sequence[Path], columns: dict[str, str], together: str | None = None
 ) -> None:
-    """Each of `files` whose columns first_row_columns tells has every one of `columns` ({column:
-    the option that names it}): a wrong column fails with the config's checks, naming the file,
-    not once the files have been read under `datasets`' progress bars.
+    """Each of `files` whose columns told_columns tells has every one of `columns` ({column: the
+    option that names it}): a wrong column fails with the config's checks, naming the file, not
+    once the files have been read under `datasets`' progress bars.
 
     `together` is the option that gave files `datasets` reads as one dataset (data=pairs'
     data.paths, a card-less dataset's splits): it takes the columns of the first file, fills
     those another file lacks with nulls, and refuses, in a traceback, a file with a column
     more. Such a file, and one that lacks a column of `columns` that the first file has, is
     refused first, naming both files: it is the files that disagree, not the option. A column
-    more is told only against a first file's header or schema: the first row of JSON may lack
-    keys of later rows, which `datasets` counts among the file's columns."""
-    told = [(file, names) for file in files if (names := first_row_columns(file)) is not None]
+    more is told only against a first file's header or schema: of JSON rows, only those up to
+    the ones that hold `columns` are read, and later rows may hold more keys."""
+    told = [(file, *found) for file in files if (found := told_columns(file, columns)) is not None]
     if together and told and told[0][0] == files[0]:  # else the first file's columns are unknown
-        first, first_names = told[0]
+        first, first_names, _ = told[0]
         exact = first.suffix.lower() not in JSON_SUFFIXES
-        for file, names in told[1:]:
+        for file, names, _ in told[1:]:
             more = set(names) - set(first_names) if exact else set()
             if more or set(columns) & set(first_names) - set(names):
                 raise ValueError(
@@ -162,10 +206,7 @@ def check_file_columns(
                     "but the files of a dataset must share their columns (`datasets` gives them "
                     "all the first file's); give every file the same columns"
                 )
-    for file, names in told:
-        # JSON has no header: its first row stands for the file, and the message says so
-        json_rows = file.suffix.lower() in JSON_SUFFIXES
-        where = f"the first row of {file}" if json_rows else str(file)
+    for _, names, where in told:
         for column, key in columns.items():
             check_column(names, column, where, key)
 

@@ -258,21 +258,21 @@ CASES = [
 
 # train.py's mistakes in data.* that only reading the data finds, refused in one line that holds
 # the message before any progress bar (`datasets`' reading the files, Lightning's): files checked
-# with the config (a file's columns by its first row), a text too small for the blocks by its
-# files' sizes, a Hub dataset's splits by its files' names and its columns by its card (or its
-# files' schema), the batch before the sanity check. The default corpus is prepared already (the
-# trained run's); the others are read by no other case.
+# with the config (a file's columns by its header, schema or first rows), a text too small for
+# the blocks by its files' sizes, a Hub dataset's splits by its files' names and its columns by
+# its card (or its files' schema), the batch before the sanity check. The default corpus is
+# prepared already (the trained run's); the others are read by no other case.
 BEFORE_ANY_BAR = [
     ("unsupported_file_after_a_readable_one",
      ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/table.csv]"],
      "error: data.paths: {tmp}/table.csv has an unsupported extension; use one of .txt, .md, "
      ".jsonl"),
-    # a file's first row tells its columns: a file without the column is refused before the
+    # a file's first rows tell its columns: a file without the column is refused before the
     # files before it are read (pairs read them all at once, and failed in a traceback)
     ("jsonl_without_the_text_column",
      ["data=text_files", "data.paths=[{tmp}/lines.txt,{tmp}/rows.jsonl]"],
-     "error: data.text_column='text' is not a column of the first row of {tmp}/rows.jsonl; "
-     "available columns: ['body']; set data.text_column"),
+     "error: data.text_column='text' is not a column of {tmp}/rows.jsonl; available columns: "
+     "['body']; set data.text_column"),
     # pairs' files are one dataset, whose files must share their columns: a file of others is
     # named with the first, not as a column to set (which the first file would then lack)
     ("pairs_file_without_the_columns",

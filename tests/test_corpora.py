@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from data.lm import LMDataModule
-from data.local_files import load_text_files
+from data.lm_text import LMDataConfig
+from data.local_files import load_text_files, read_files
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from helpers import ROOT, clean_env
 
@@ -154,6 +155,48 @@ def test_empty_and_broken_files(corpus, tmp_path):
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         prepared(source="text_files", paths=[str(broken)], cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("first_row_has_text", [False, True])
+def test_jsonl_rows_without_the_text_column_hold_no_document(tmp_path, first_row_has_text):
+    """`datasets` reads a JSON Lines file's columns from all of its first rows, null where a row
+    lacks a key: a file whose first row lacks data.text_column reads well (the config refused
+    it by that row), and a row without it is no document (it failed in a traceback)."""
+    rows = [{"id": i, "text": p} for i, p in enumerate(PARAGRAPHS[:20])]
+    rows[0 if not first_row_has_text else 5] = {"id": "no text"}
+    path = tmp_path / "sparse.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    module = prepared(source="text_files", paths=[str(path)], cache_dir=tmp_path)
+    texts = [row.get("text") for row in rows]  # one in ten rows to val, by its place
+    assert split_text(module, "val") == "\n\n".join(t for i, t in enumerate(texts) if i % 10 == 9)
+    train = [t for i, t in enumerate(texts) if i % 10 != 9 and t is not None]
+    assert split_text(module, "train") == "\n\n".join(train)
+
+
+def test_a_jsonl_file_whose_rows_lack_the_text_column_is_refused_before_it_is_read(tmp_path):
+    """Refused with the config, by the rows that `datasets` takes the columns from, its first
+    10 MiB: past them, a row with the column fails `datasets`' read as a column too many."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"body": "a row"}\n' * 300)
+    message = (
+        f"data.text_column='text' is not a column of {rows}; available columns: ['body']; set "
+        "data.text_column"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        LMDataConfig(source="text_files", paths=[str(rows)])
+    late = tmp_path / "late.jsonl"
+    body = '{"body": "' + "a row " * 100 + '"}\n'
+    late.write_text(body * ((10 << 20) // len(body) + 1) + '{"body": "", "text": "too late"}\n')
+    message = (
+        f"data.text_column='text' is not a column of the rows of {late} in its first 10 MiB, "
+        "where `datasets` finds the columns of JSON Lines; available columns: ['body']; set "
+        "data.text_column"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        LMDataConfig(source="text_files", paths=[str(late)])
+    # as `datasets` would have refused it once read
+    with pytest.raises(ValueError, match=r"^data.paths: cannot read .*column names don't match"):
+        read_files("json", [late], tmp_path / "cache", "data.paths")
 
 
 def test_a_file_is_told_empty_from_its_first_bytes_not_read_whole(tmp_path, monkeypatch):

@@ -274,13 +274,13 @@ def test_pairs_errors(pair_files, cache_dir):
 @pytest.mark.parametrize(
     ("name", "where", "columns"),
     [
-        ("pairs.jsonl", "the first row of {}", ["source", "target", "id"]),
+        ("pairs.jsonl", "{}", ["source", "target", "id"]),  # the keys of its rows
         ("pairs.csv", "{}", ["de", "en"]),  # its header
         ("pairs.parquet", "{}", ["source", "target"]),  # its schema
     ],
 )
 def test_a_file_without_a_column_is_refused_before_it_is_read(name, where, columns, pair_files):
-    """Each file's first row tells its columns, so a wrong column fails with the config, before
+    """Each file's first rows tell its columns, so a wrong column fails with the config, before
     `datasets` reads a row under its progress bars."""
     rows = {"source": ["line 0", "line 1"], "target": ["0 enil", "1 enil"]}
     datasets.Dataset.from_dict(rows).to_parquet(str(pair_files / "pairs.parquet"))
