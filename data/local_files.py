@@ -289,6 +289,16 @@ def read_files(
         )
 
 
+def _read_faults() -> tuple[type[Exception], ...]:
+    """What a `datasets` builder raises, bare, reading a file that it cannot read: pandas',
+    pyarrow's and decoding errors (ValueError), and pyarrow's others of a damaged file (an
+    OSError: "Couldn't deserialize thrift"). Read whole, it wraps them in its
+    DatasetGenerationError; a file read alone as a stream (_unreadable) raises them."""
+    import pyarrow  # ships with `datasets`
+
+    return (ValueError, OSError, pyarrow.ArrowException)
+
+
 @contextmanager
 def naming_unreadable_files(
     builder: str, files: Sequence[Path], cache_dir: Path, key: str
@@ -333,7 +343,7 @@ def _unreadable(builder: str, files: Sequence[Path], cache_dir: Path, error: Exc
                     cache_dir=datasets_cache_for([file], cache_dir),
                 ):
                     pass
-            except ValueError as file_error:  # pandas', pyarrow's and decoding errors all are
+            except _read_faults() as file_error:
                 return f"cannot read {file} ({_one_line(file_error)}); {READ_FIXES[builder]}"
         shown = ", ".join(map(str, files))
         return (

@@ -18,7 +18,7 @@ from data.lm import LMDataModule
 from data.lm_text import LMDataConfig
 from data.local_files import load_text_files, read_files
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
-from helpers import ROOT, clean_env
+from helpers import ROOT, clean_env, write_hub_dataset
 
 PARAGRAPHS = [
     f"Paragraph {i} of 0123456789: the quick brown fox {'jumps ' * (i % 5)}over dog {i}."
@@ -155,6 +155,24 @@ def test_empty_and_broken_files(corpus, tmp_path):
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         prepared(source="text_files", paths=[str(broken)], cache_dir=tmp_path)
+
+
+def test_a_damaged_file_of_a_hub_directory_is_named(tmp_path):
+    """A Parquet file whose footer reads well but whose pages are damaged: pyarrow fails on its
+    rows with an OSError, which `datasets` reading the directory whole wraps; the file was
+    looked for among the directory's by reading each alone, which let that OSError out in a
+    traceback."""
+    folder = write_hub_dataset(
+        tmp_path / "hub", {"train": PARAGRAPHS * 3, "validation": PARAGRAPHS[:5]}
+    )
+    damaged = folder / "data" / "validation-00000-of-00001.parquet"
+    data = bytearray(damaged.read_bytes())
+    data[8:40] = b"\xff" * 32  # the first page's header, just after the magic bytes
+    damaged.write_bytes(bytes(data))
+    fix = "check that it is a whole Parquet file"
+    with pytest.raises(ValueError, match=rf"^data.name: cannot read {damaged} \(.+\); {fix}$"):
+        prepared(source="hub", name=str(folder), cache_dir=tmp_path)
+    assert not list(tmp_path.glob("lm/*/meta.json"))
 
 
 @pytest.mark.parametrize("first_row_has_text", [False, True])
