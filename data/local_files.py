@@ -241,18 +241,21 @@ def load_text_files(
     option that named the files, for the messages."""
     import datasets
 
-    parts = []
+    parts = []  # (builder, the file's documents, [file]), as naming_unreadable_stream takes
     for f in files:
         builder = TEXT_BUILDERS[f.suffix.lower()]  # expand_paths took no other
         if is_blank(f):
             continue  # an empty file holds no document (and `datasets` cannot type its rows)
         options = {"sample_by": "paragraph"} if builder == "text" else {}
         ds = read_files(builder, [f], cache_dir, key, streaming, **options)
-        parts.append(with_text_column(ds, "text" if builder == "text" else text_column, str(f)))
+        text = with_text_column(ds, "text" if builder == "text" else text_column, str(f))
+        parts.append((builder, text, [f]))
     if not parts:
         shown = ", ".join(str(f) for f in files)
         raise ValueError(f"{key}: every file is empty ({shown}); point it at some text")
-    return datasets.concatenate_datasets(parts)
+    if streaming:
+        return naming_unreadable_stream(parts, cache_dir, key)
+    return datasets.concatenate_datasets([text for _, text, _ in parts])
 
 
 # What to check in a file that a `datasets` builder cannot read
@@ -293,7 +296,7 @@ def _read_faults() -> tuple[type[Exception], ...]:
     """What a `datasets` builder raises, bare, reading a file that it cannot read: pandas',
     pyarrow's and decoding errors (ValueError), and pyarrow's others of a damaged file (an
     OSError: "Couldn't deserialize thrift"). Read whole, it wraps them in its
-    DatasetGenerationError; a file read alone as a stream (_unreadable) raises them."""
+    DatasetGenerationError; a stream, and a file read alone as one (_unreadable), raise them."""
     import pyarrow  # ships with `datasets`
 
     return (ValueError, OSError, pyarrow.ArrowException)
@@ -301,21 +304,56 @@ def _read_faults() -> tuple[type[Exception], ...]:
 
 @contextmanager
 def naming_unreadable_files(
-    builder: str, files: Sequence[Path], cache_dir: Path, key: str
+    builder: str, files: Sequence[Path], cache_dir: Path, key: str, streamed: bool = False
 ) -> Iterator[None]:
     """Inside, `datasets` failing to read the local `files` with its `builder` is a one-line
     ValueError naming the file and the fault, after `key`; a full disk (not the files' fault:
-    build_once names it) and a builder or files this cannot tell about are left as they are."""
+    build_once names it) and a builder or files this cannot tell about are left as they are.
+    `streamed`: a stream of them is read inside, which raises the builder's own errors."""
     import datasets
     import pyarrow  # ships with `datasets`
 
+    # ArrowInvalid: a file that is not Parquet fails as its schema is read, before generating
+    faults = (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowInvalid)
+    if streamed:
+        faults = _read_faults()
     try:
         yield
-    # ArrowInvalid: a file that is not Parquet fails as its schema is read, before generating
-    except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowInvalid) as error:
+    except faults as error:
         if disk_full_cause(error) is not None or not files or builder not in READ_FIXES:
             raise
         raise ValueError(f"{key}: {_unreadable(builder, files, cache_dir, error)}") from error
+
+
+def naming_unreadable_stream(
+    parts: Sequence[tuple[str, "datasets.IterableDataset", Sequence[Path]]],
+    cache_dir: Path,
+    key: str,
+) -> "datasets.IterableDataset":
+    """The rows of the streams of `parts`, one after another, as one stream, in which a local
+    file that cannot be read is a one-line error naming it, as naming_unreadable_files makes it
+    where files are read whole: a stream reads its files only as it is iterated, long after it
+    was made. Each part is (the `datasets` builder, its stream, the local files it reads)."""
+    import datasets
+
+    features = parts[0][1].features  # each part's, where they agree
+    same = all(stream.features == features for _, stream, _ in parts)
+    return datasets.IterableDataset.from_generator(
+        _rows_naming_files,
+        features=features if same else None,
+        gen_kwargs={"parts": tuple(parts), "cache_dir": cache_dir, "key": key},
+    )
+
+
+def _rows_naming_files(
+    parts: Sequence[tuple[str, "datasets.IterableDataset", Sequence[Path]]],
+    cache_dir: Path,
+    key: str,
+) -> Iterator[dict]:
+    """naming_unreadable_stream's rows."""
+    for builder, stream, files in parts:
+        with naming_unreadable_files(builder, files, cache_dir, key, streamed=True):
+            yield from stream
 
 
 def _unreadable(builder: str, files: Sequence[Path], cache_dir: Path, error: Exception) -> str:

@@ -17,6 +17,7 @@ from data.local_files import (
     check_column,
     check_file_columns,
     naming_unreadable_files,
+    naming_unreadable_stream,
     with_text_column,
 )
 
@@ -218,7 +219,7 @@ def load_hub(
         builder = datasets.load_dataset_builder(name, config, cache_dir=str(Path(cache_dir) / "hf"))
         _check_before_reading(builder, title, key, splits or {}, columns or {})
         if streaming:
-            return builder.as_streaming_dataset()
+            return _streams_naming_files(builder, cache_dir, key)
         # a directory's files, named if one cannot be read (the Hub's are read as they are)
         with naming_unreadable_files(builder.name, _directory_files(builder), cache_dir, key):
             builder.download_and_prepare()
@@ -255,11 +256,26 @@ def _check_before_reading(
     check_file_columns(_directory_files(builder), columns, key)
 
 
-def _directory_files(builder: "datasets.DatasetBuilder") -> list[Path]:
-    """The data files of `builder` on this machine (a directory's), of every split, in the
-    order `datasets` reads them."""
-    files = [f for split in (builder.config.data_files or {}).values() for f in split]
-    return [Path(f) for f in files if os.path.isfile(f)]
+def _directory_files(builder: "datasets.DatasetBuilder", split: str | None = None) -> list[Path]:
+    """The data files of `builder` on this machine (a directory's), of every split or of
+    `split`, in the order `datasets` reads them."""
+    data_files = builder.config.data_files or {}
+    splits = data_files.values() if split is None else [data_files.get(split, [])]
+    return [Path(f) for files in splits for f in files if os.path.isfile(f)]
+
+
+def _streams_naming_files(
+    builder: "datasets.DatasetBuilder", cache_dir: Path, key: str
+) -> "datasets.IterableDatasetDict":
+    """The splits of `builder` as streams, in which a file of a directory that cannot be read
+    is named (naming_unreadable_stream), as load_hub names it in a dataset read whole; the
+    Hub's files are read as they are."""
+    streams = builder.as_streaming_dataset()
+    for split, stream in streams.items():
+        if files := _directory_files(builder, split):
+            parts = [(builder.name, stream, files)]
+            streams[split] = naming_unreadable_stream(parts, cache_dir, key)
+    return streams
 
 
 def hub_title(name: str, config: str | None) -> str:

@@ -157,11 +157,48 @@ def test_empty_and_broken_files(corpus, tmp_path):
         prepared(source="text_files", paths=[str(broken)], cache_dir=tmp_path)
 
 
-def test_a_damaged_file_of_a_hub_directory_is_named(tmp_path):
+JSON_FIX = "check that it is JSON Lines, one object per line, or a JSON array of objects"
+ROWS = b'{"text": "some words"}\n' * 100
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize(
+    ("name", "content", "why", "fix"),
+    [
+        ("not_utf8.txt", b"some words\n\n" * 100 + b"\xff\xfe\n",
+         "'utf-8' codec can't decode byte 0xff in position 1200: invalid start byte",
+         "check that it is UTF-8 text"),
+        ("cut_off.jsonl", ROWS + b'{"text": "cut\n',
+         "line 101 is not JSON: Unterminated string starting at column 10", JSON_FIX),
+        ("not_an_object.jsonl", ROWS + b"[1, 2]\n", "line 101 is not a JSON object: [1, 2]",
+         JSON_FIX),
+    ],
+    ids=["text_not_utf8", "cut_off_line", "not_an_object"],
+)  # fmt: skip
+def test_a_file_datasets_cannot_read_is_named_streamed_or_not(
+    corpus, tmp_path, streaming, name, content, why, fix
+):
+    """A stream reads its files only as it is iterated, long after `datasets` made it: a file
+    it could not read failed there (training the tokenizer) in a line naming no file."""
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    options = dict(source="text_files", cache_dir=tmp_path / "cache", streaming=streaming)
+    for key, paths, val_paths in [
+        ("data.paths", [corpus / "a.txt", bad], []),
+        ("data.val_paths", [corpus / "a.txt"], [bad]),
+    ]:
+        message = f"{key}: cannot read {bad} ({why}); {fix}"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            prepared(**options, paths=paths, val_paths=val_paths)
+    assert not list((tmp_path / "cache").glob("lm/*/meta.json"))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_damaged_file_of_a_hub_directory_is_named_streamed_or_not(tmp_path, streaming):
     """A Parquet file whose footer reads well but whose pages are damaged: pyarrow fails on its
     rows with an OSError, which `datasets` reading the directory whole wraps; the file was
     looked for among the directory's by reading each alone, which let that OSError out in a
-    traceback."""
+    traceback. A stream let it out as its rows were read, naming no file."""
     folder = write_hub_dataset(
         tmp_path / "hub", {"train": PARAGRAPHS * 3, "validation": PARAGRAPHS[:5]}
     )
@@ -170,8 +207,9 @@ def test_a_damaged_file_of_a_hub_directory_is_named(tmp_path):
     data[8:40] = b"\xff" * 32  # the first page's header, just after the magic bytes
     damaged.write_bytes(bytes(data))
     fix = "check that it is a whole Parquet file"
-    with pytest.raises(ValueError, match=rf"^data.name: cannot read {damaged} \(.+\); {fix}$"):
-        prepared(source="hub", name=str(folder), cache_dir=tmp_path)
+    message = rf"^data.name: cannot read {re.escape(str(damaged))} \(.+\); {fix}$"
+    with pytest.raises(ValueError, match=message):
+        prepared(source="hub", name=str(folder), cache_dir=tmp_path, streaming=streaming)
     assert not list(tmp_path.glob("lm/*/meta.json"))
 
 
