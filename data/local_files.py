@@ -8,7 +8,7 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -282,7 +282,7 @@ def read_files(
     import datasets
 
     with naming_unreadable_files(builder, files, cache_dir, key):
-        return datasets.load_dataset(
+        ds = datasets.load_dataset(
             builder,
             data_files=[str(f) for f in files],
             split="train",
@@ -290,6 +290,18 @@ def read_files(
             cache_dir=datasets_cache_for(files, cache_dir),
             **options,
         )
+        if not streaming:  # a stream decodes its rows as it reads them
+            check_strings([ds])
+        return ds
+
+
+def check_strings(parts: Iterable["datasets.Dataset"]) -> None:
+    """Every string of the datasets `parts` is UTF-8, else pyarrow's ArrowInvalid (for
+    naming_unreadable_files): the JSON and Parquet readers keep a string's bytes as they are,
+    and `datasets` failed only once the rows were decoded, later, naming no file. In C++, over
+    the Arrow data (10 ms for 200 MB of text in memory)."""
+    for ds in parts:
+        ds.data.validate(full=True)
 
 
 def _read_faults() -> tuple[type[Exception], ...]:

@@ -16,6 +16,7 @@ from data.files import write_text_atomic
 from data.local_files import (
     check_column,
     check_file_columns,
+    check_strings,
     naming_unreadable_files,
     naming_unreadable_stream,
     with_text_column,
@@ -223,7 +224,9 @@ def load_hub(
         # a directory's files, named if one cannot be read (the Hub's are read as they are)
         with naming_unreadable_files(builder.name, _directory_files(builder), cache_dir, key):
             builder.download_and_prepare()
-        return builder.as_dataset()
+            splits = builder.as_dataset()
+            check_strings(splits.values())
+        return splits
     except ConnectionError as err:  # what `datasets` raises when the Hub does not answer
         raise ValueError(
             f"{key}: cannot download {title}: the Hugging Face Hub is unreachable (offline); use "

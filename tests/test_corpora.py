@@ -172,14 +172,17 @@ ROWS = b'{"text": "some words"}\n' * 100
          "line 101 is not JSON: Unterminated string starting at column 10", JSON_FIX),
         ("not_an_object.jsonl", ROWS + b"[1, 2]\n", "line 101 is not a JSON object: [1, 2]",
          JSON_FIX),
+        ("json_not_utf8.jsonl", ROWS + b'{"text": "\xff\xfe"}\n', "line 101 is not UTF-8",
+         JSON_FIX),
     ],
-    ids=["text_not_utf8", "cut_off_line", "not_an_object"],
+    ids=["text_not_utf8", "cut_off_line", "not_an_object", "json_not_utf8"],
 )  # fmt: skip
 def test_a_file_datasets_cannot_read_is_named_streamed_or_not(
     corpus, tmp_path, streaming, name, content, why, fix
 ):
     """A stream reads its files only as it is iterated, long after `datasets` made it: a file
-    it could not read failed there (training the tokenizer) in a line naming no file."""
+    it could not read failed there (training the tokenizer) in a line naming no file. A JSON
+    string that is not UTF-8 is read as it is, and failed only once decoded, streamed or not."""
     bad = tmp_path / name
     bad.write_bytes(content)
     options = dict(source="text_files", cache_dir=tmp_path / "cache", streaming=streaming)
