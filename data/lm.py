@@ -89,6 +89,15 @@ def _encoded_features() -> "datasets.Features":
     )
 
 
+def _text_bytes(docs: "datasets.Dataset") -> int:
+    """The UTF-8 bytes of the text of `docs`, summed from the lengths Arrow keeps of its "text"
+    column, without a row decoded (a row without text holds none)."""
+    from pyarrow import compute  # ships with `datasets`
+
+    lengths = compute.binary_length(docs.data.column("text"))
+    return compute.sum(lengths).as_py() or 0
+
+
 def _texts(corpus, column: str) -> Iterator[str]:
     """The non-empty strings of `column`, streamed."""
     return (text for text in texts_of(corpus, column) if text)
@@ -178,7 +187,9 @@ class LMDataModule(CachedDataModule):
                 val_docs = load_text_files(
                     val_files, c.text_column, cache_dir, c.streaming, "data.val_paths"
                 )
+                self._check_read_text_holds_blocks({"train": docs, "val": val_docs})
                 return self._given_split(docs, val_docs), False
+            self._check_read_text_holds_blocks({None: docs})
             min_tail = c.block_size + 1  # any text of two blocks trains: val gets one
         else:
             title = hub_title(c.name, c.config)
@@ -192,7 +203,9 @@ class LMDataModule(CachedDataModule):
             print(f"data=hub: validating on {shown}")
             if val_split is not None:
                 val_docs = hub_text(splits, val_split, c.text_column, title, "data.val_split")
+                self._check_read_text_holds_blocks({"train": docs, "val": val_docs})
                 return self._given_split(docs, val_docs), False
+            self._check_read_text_holds_blocks({None: docs})
         # A play's tail keeps val in the same style as train, and so does the tail of each
         # document of a corpus too small to give whole ones to val (one file, say); held in
         # memory, as they are few. A corpus of many documents gives whole ones to val, which a
@@ -293,35 +306,81 @@ class LMDataModule(CachedDataModule):
         write_marker(out, meta)
 
     def _check_files_hold_blocks(self) -> None:
-        """Before a file is read, files too small to hold each split's block and the token after
-        it fail in one line, judged by their sizes: no tokenizer here makes more tokens than a
-        text has bytes (a character is a byte or more, a byte-level BPE token covers a byte or
-        more), besides the separators between documents. Text over that bound but short of
-        tokens is found once tokenized, by _check_sizes (a warm entry's counts, at once)."""
-        c, block = self.config, self.config.block_size
-        separator = len(DOCUMENT_SEPARATOR)  # tokens, at most, of each separator
+        """Before a file is read, files too small to hold the blocks fail in one line, judged by
+        their sizes (_check_holds_blocks). Text over that bound but short of tokens is found
+        once read whole, by the bytes of its text (the keys and other columns of JSON Lines
+        count in its size), and else once tokenized, by _check_sizes (a warm entry's counts, at
+        once)."""
+        c = self.config
         if c.val_paths:
-            sides = [
-                ("data.paths", c.paths, block + 1, 0, "to train on"),
-                ("data.val_paths", c.val_paths, block + 1, 0, "to validate on"),
-            ]
+            sides = [("train", c.paths, "data.paths"), ("val", c.val_paths, "data.val_paths")]
         else:
-            # Both splits come from the same text; one of few documents, split at each one's
-            # tail, repeats in both the separator between two documents.
-            repeated = separator * (most_tail_documents(c.val_fraction) - 1)
-            what = "to train on and as many to validate on"
-            sides = [("data.paths", c.paths, 2 * (block + 1), repeated, what)]
-        for key, patterns, need, repeated, what in sides:
+            sides = [(None, c.paths, "data.paths")]
+        for split, patterns, key in sides:
             files = expand_paths(patterns, list(TEXT_BUILDERS), key)
             size = sum(f.stat().st_size for f in files)
-            most = size + separator * (len(files) - 1) + repeated
-            if size == 0 or most >= need:  # empty files are load_text_files' to name
-                continue
-            raise ValueError(
-                f"{key} holds {size} bytes of text ({', '.join(map(str, files))}), so fewer than "
-                f"the {need} tokens that data.block_size={block} needs: a block and the token "
-                f"after it {what}; add text or lower model.block_size"
+            if size:  # empty files are load_text_files' to name
+                self._check_holds_blocks(split, size, len(files))
+
+    def _check_read_text_holds_blocks(
+        self, texts: dict[str | None, "datasets.Dataset | datasets.IterableDataset"]
+    ) -> None:
+        """Text read whole ({split: its documents}, as _check_holds_blocks takes the split)
+        fails in one line where the bytes of its text cannot hold the blocks: before the
+        tokenizer is trained and the text tokenized under progress bars, and, for a Hub dataset,
+        as soon as that can be known (its card's split sizes, before it is read, are no bound:
+        `datasets` never checks them). A stream's text is counted once tokenized."""
+        import datasets
+
+        for split, docs in texts.items():
+            if isinstance(docs, datasets.Dataset):
+                self._check_holds_blocks(split, _text_bytes(docs), len(docs))
+
+    def _check_holds_blocks(self, split: str | None, size: int, documents: int) -> None:
+        """Text of at most `size` bytes in `documents` documents holds a block of data.block_size
+        tokens and the token after it for `split` ("train" or "val", or None: the text both
+        come from, val carved out of it by data.val_fraction), else a one-line error naming it
+        and the fix. No tokenizer here makes more tokens than a text has bytes (a character is a
+        byte or more, a byte-level BPE token covers a byte or more), besides the separators
+        between documents."""
+        c, block = self.config, self.config.block_size
+        separator = len(DOCUMENT_SEPARATOR)  # tokens, at most, of each separator
+        if split is None:
+            # A text of few documents, split at each one's tail, repeats in both splits the
+            # separator between two documents.
+            need = 2 * (block + 1)
+            repeated = separator * (most_tail_documents(c.val_fraction) - 1)
+            what = "to train on and as many to validate on"
+        else:
+            need, repeated = block + 1, 0
+            what = "to train on" if split == "train" else "to validate on"
+        if size + separator * (documents - 1) + repeated >= need:
+            return
+        key, shown = self._text_of(split)
+        raise ValueError(
+            f"{key} holds {size} bytes of text ({shown}), so fewer than the {need} tokens that "
+            f"data.block_size={block} needs: a block and the token after it {what}; add text or "
+            "lower model.block_size"
+        )
+
+    def _text_of(self, split: str | None) -> tuple[str, str]:
+        """The option that gives the text of `split` ("train" or "val", or None: the text both
+        come from), and that text in words, for messages: its files, or a Hub dataset's split."""
+        c = self.config
+        if c.source == "text_files":
+            key = "data.val_paths" if split == "val" else "data.paths"
+            patterns = c.val_paths if split == "val" else c.paths
+            return key, ", ".join(map(str, expand_paths(patterns, list(TEXT_BUILDERS), key)))
+        if c.source == "hub":
+            title = hub_title(c.name, c.config)
+            if split != "val":
+                return "data.name", f"the train split of {title}"
+            name = c.val_split or "validation"  # hub_val_split's, for a split not carved
+            return (
+                "data.val_split" if c.val_split else "data.name",
+                f"the {name!r} split of {title}",
             )
+        return "data.source", "the embedded plays"
 
     def prepare_data(self) -> None:
         # A warm entry too short for the block is refused by its recorded lengths before

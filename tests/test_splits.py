@@ -125,6 +125,58 @@ def test_files_too_small_for_the_blocks_are_refused_before_they_are_read(tmp_pat
     assert not list(cache.glob("lm/*/meta.json"))
 
 
+def never_trained(self, corpus):
+    pytest.fail("the tokenizer was trained on a text too short for the block")
+
+
+def test_a_jsonl_text_short_of_its_file_size_is_refused_once_read(tmp_path, monkeypatch):
+    """A .jsonl file's size counts its keys, quotes and other columns: the bytes of its text,
+    told by its rows once read, cannot hold the blocks, which is refused then, before the
+    tokenizer is trained and the text tokenized under progress bars."""
+    path = tmp_path / "rows.jsonl"
+    row = json.dumps({"text": "ab", "note": "x" * 200}) + "\n"
+    path.write_text(row * 10)
+    monkeypatch.setattr(LMDataModule, "_train_tokenizer", never_trained)
+    message = (
+        f"data.paths holds 20 bytes of text ({path}), so fewer than the 130 tokens that "
+        "data.block_size=64 needs: a block and the token after it to train on and as many to "
+        "validate on; add text or lower model.block_size"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        prepared(source="text_files", paths=[str(path)], cache_dir=tmp_path, block_size=64)
+    assert not list(tmp_path.glob("lm/*/meta.json"))
+
+
+@pytest.mark.parametrize("own_validation", [True, False])
+def test_a_cold_hub_dataset_too_short_for_the_block_is_refused_before_it_is_tokenized(
+    tmp_path, monkeypatch, own_validation
+):
+    """A Hub dataset's splits tell the bytes of their text once read, before the tokenizer is
+    trained and the text tokenized under progress bars: it was refused only by the token counts
+    of the entry built. (Its card's split sizes, before the download, are no bound: `datasets`
+    never checks them.)"""
+    rows = ["some text " * 30] * 3
+    splits = {"train": rows, "validation": ["more"] * 3} if own_validation else {"train": rows}
+    folder = write_hub_dataset(tmp_path / "hub", splits)
+    monkeypatch.setattr(LMDataModule, "_train_tokenizer", never_trained)
+    if own_validation:  # the train split holds a block, the validation split does not
+        message = (
+            f"data.name holds 12 bytes of text (the 'validation' split of {folder}), so fewer "
+            "than the 257 tokens that data.block_size=256 needs: a block and the token after it "
+            "to validate on; add text or lower model.block_size"
+        )
+    else:
+        message = (
+            f"data.name holds 900 bytes of text (the train split of {folder}), so fewer than "
+            "the 1026 tokens that data.block_size=512 needs: a block and the token after it to "
+            "train on and as many to validate on; add text or lower model.block_size"
+        )
+    block = 256 if own_validation else 512
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        prepared(source="hub", name=str(folder), cache_dir=tmp_path / "cache", block_size=block)
+    assert not list((tmp_path / "cache").glob("lm/*/meta.json"))
+
+
 def test_a_warm_entry_too_short_for_the_block_is_refused_from_its_counts(tmp_path, capsys):
     """A Hub dataset's entry serves every block size: a larger one is refused by the token
     counts of the entry, its files' lengths, at once, before the checksums of all of it are
