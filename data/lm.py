@@ -410,17 +410,19 @@ class LMDataModule(CachedDataModule):
 
     def _check_sizes(self, counts: dict[str, int], carved: bool, dropped: int) -> None:
         """Each split holds a block of data.block_size tokens and the token after it, or a
-        one-line error says what is short: the whole text, or one split (`carved`: val is
-        data.val_fraction of the text; `dropped`: its characters that the tokenizer, trained on
-        the train split, lacks, which a text too short to train on has almost all of)."""
+        one-line error says what is short: the whole text, or one split, and the text it comes
+        from (`carved`: val is data.val_fraction of the text; `dropped`: its characters that
+        the tokenizer, trained on the train split, lacks, which a text too short to train on has
+        almost all of)."""
         block = self.config.block_size
         short = [split for split, count in counts.items() if count < block + 1]
         if not short:
             return
         split = short[0]
+        key, shown = self._text_of(None if carved else split)
         needs = (
             f"data.block_size={block} needs at least {block + 1} tokens but the {split} split "
-            f"has {counts[split]}"
+            f"has {counts[split]} (from {key}: {shown})"
         )
         total = sum(counts.values()) + dropped
         if total < 2 * (block + 1):

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from data.cache import entry_problem
 from data.lm import LMDataModule
 from data.lm_text import LMDataConfig
 from data.sources import split_tail, splits_by_tail, tail_split
@@ -84,16 +85,16 @@ def test_a_text_of_two_blocks_trains_and_a_shorter_one_says_so(tmp_path):
     assert (len(halves._split("train")), len(halves._split("val"))) == (28, 27)
     with pytest.raises(
         ValueError,
-        match=r"^data.block_size=27 needs at least 28 tokens but the train split has 27, and the "
-        r"whole text 55: it is shorter than two blocks \(one to train on, one to validate\); add "
-        r"text or lower model.block_size$",
+        match=r"^data.block_size=27 needs at least 28 tokens but the train split has 27 \(from "
+        rf"data.paths: {re.escape(str(path))}\), and the whole text 55: it is shorter than two "
+        r"blocks \(one to train on, one to validate\); add text or lower model.block_size$",
     ):
         prepared(**options, block_size=27)
     # A text of fewer characters than a block trains no tokenizer: its count is its characters.
     # Two bytes a character, its size cannot tell that it is short.
     accented = tmp_path / "accented.txt"
     accented.write_text("\u00e9" * 20)
-    with pytest.raises(ValueError, match=r"the train split has 0, and the whole text 20: "):
+    with pytest.raises(ValueError, match=r"the train split has 0 \(.*\), and the whole text 20: "):
         prepared(source="text_files", paths=[str(accented)], cache_dir=tmp_path, block_size=20)
 
 
@@ -177,6 +178,40 @@ def test_a_cold_hub_dataset_too_short_for_the_block_is_refused_before_it_is_toke
     assert not list((tmp_path / "cache").glob("lm/*/meta.json"))
 
 
+@pytest.mark.parametrize("val_paths", [False, True])
+def test_text_short_of_tokens_is_refused_naming_its_files_and_the_cache_stays_whole(
+    tmp_path, val_paths
+):
+    """BPE packs several bytes into a token, so neither the files' sizes nor their text's bytes
+    tell that the text is short of tokens: the token counts do, once tokenized, in a message
+    that names the files (it named the split alone). The entry built stays whole (and, asked for
+    again, is refused at once by its counts); no build is left half-written."""
+    path, valid = tmp_path / "short.txt", tmp_path / "valid.txt"
+    path.write_text("\n".join([SHORT] * 8))
+    valid.write_text(SHORT)
+    cache = tmp_path / "cache"
+    options = dict(source="text_files", paths=[str(path)], cache_dir=cache, tokenizer="bpe")
+    if val_paths:
+        options["val_paths"] = [str(valid)]
+        message = (
+            r"^data.block_size=32 needs at least 33 tokens but the val split has \d+ "
+            rf"\(from data.val_paths: {re.escape(str(valid))}\); lower model.block_size$"
+        )
+    else:
+        message = (
+            r"^data.block_size=32 needs at least 33 tokens but the val split has \d+ "
+            rf"\(from data.paths: {re.escape(str(path))}\); lower model.block_size or raise "
+            r"data.val_fraction$"
+        )
+    for _ in range(2):  # built, then refused by the counts of the entry built
+        with pytest.raises(ValueError, match=message):
+            prepared(**options, block_size=32)
+    entries = [p for p in (cache / "lm").iterdir() if p.is_dir()]
+    assert [p.name for p in entries if p.name.startswith(".tmp")] == []
+    (entry,) = entries
+    assert entry_problem(entry) is None
+
+
 def test_a_warm_entry_too_short_for_the_block_is_refused_from_its_counts(tmp_path, capsys):
     """A Hub dataset's entry serves every block size: a larger one is refused by the token
     counts of the entry, its files' lengths, at once, before the checksums of all of it are
@@ -190,8 +225,9 @@ def test_a_warm_entry_too_short_for_the_block_is_refused_from_its_counts(tmp_pat
     entry = prepared(**options).cache_entry
     files = {f.name: f.read_bytes() for f in entry.iterdir()}
     too_short = (
-        r"^data.block_size=512 needs at least 513 tokens but the val split has 1\d\d; "
-        r"lower model.block_size$"
+        r"^data.block_size=512 needs at least 513 tokens but the val split has 1\d\d \(from "
+        rf"data.name: the 'validation' split of {re.escape(str(folder))}\); lower "
+        r"model.block_size$"
     )
     with pytest.raises(ValueError, match=too_short):
         LMDataModule(**options, block_size=512, batch_size=4).prepare_data()
