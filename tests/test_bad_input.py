@@ -154,6 +154,20 @@ CASES = [
      "error: data.paths: cannot read {tmp}/cut_off.jsonl (line 301 is not JSON: Unterminated "
      "string starting at column 19); check that it is JSON Lines, one object per line, or a "
      "JSON array of objects"),
+    # read only as the stream reaches it, long after the read that names a file: it named none
+    ("streamed_file_not_utf8", "train.py",
+     ["data=text_files", "data.streaming=true", "data.paths=[{tmp}/lines.txt,{tmp}/not_utf8.txt]"],
+     "error: data.paths: cannot read {tmp}/not_utf8.txt ('utf-8' codec can't decode byte 0xff in "
+     "position 1200: invalid start byte); check that it is UTF-8 text"),
+    # pages that pyarrow cannot read behind a footer that reads: a traceback
+    ("hub_file_damaged", "train.py", ["data=hub", "data.name={tmp}/damaged_hub"],
+     "error: data.name: cannot read {tmp}/damaged_hub/data/validation-00000-of-00001.parquet "
+     "(Couldn't deserialize thrift"),
+    # by the bytes of its text once read, before the tokenizer is trained (once tokenized, it was)
+    ("hub_shorter_than_a_block", "train.py", ["data=hub", "data.name={tmp}/short_hub"],
+     "error: data.name holds 27 bytes of text (the train split of {tmp}/short_hub), so fewer than "
+     "the 258 tokens that data.block_size=128 needs: a block and the token after it to train on "
+     "and as many to validate on; add text or lower model.block_size"),
     ("pairs_csv_line_too_long", "train.py",
      ["model=encdec", "data=pairs", "data.paths=[{tmp}/pairs.csv]"],
      "error: data.paths: cannot read {tmp}/pairs.csv (Error tokenizing data. C error: Expected 2 "
@@ -348,6 +362,13 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     (tmp / "carded_hub" / "README.md").write_text(CARD)
     write_hub_dataset(tmp / "mixed_hub", {"train": ["some text"] * 300})
     write_hub_dataset(tmp / "mixed_hub", {"validation": ["more"] * 30}, column="body")
+    (tmp / "not_utf8.txt").write_bytes(b"some words\n\n" * 100 + b"\xff\xfe\n")
+    write_hub_dataset(tmp / "damaged_hub", {"train": ["some text"] * 300, "validation": ["more"]})
+    damaged = tmp / "damaged_hub" / "data" / "validation-00000-of-00001.parquet"
+    data = bytearray(damaged.read_bytes())
+    data[8:40] = b"\xff" * 32  # the first page's header, just after the magic bytes
+    damaged.write_bytes(bytes(data))
+    write_hub_dataset(tmp / "short_hub", {"train": ["some text"] * 3})
     export(ExportOptions(ckpt=str(trained_run), out=str(tmp / "export_of_run")))
     return {"tmp": tmp, "run": trained_run, "cache": shared_cache}
 
