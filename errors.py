@@ -69,6 +69,11 @@ def check_int(key: str, value: object, minimum: int = 1, optional: bool = False)
     check(is_int(value, minimum), key, expected + (" or null" if optional else ""), value)
 
 
+def check_seed(key: str, value: object) -> None:
+    """A seed of ours: what numpy's RandomState takes too (Lightning seeds it), [0, 2**32)."""
+    check(is_int(value, 0) and value < 2**32, key, "an integer in [0, 2**32)", value)
+
+
 TYPE_NAMES = {
     int: "an integer",
     float: "a finite number",
@@ -118,10 +123,22 @@ def check_field_types(config: object, prefix: str) -> None:
         union = get_origin(field.type) in (Union, types.UnionType)
         expected = get_args(field.type) if union else (field.type,)
         if not any(_fits(value, kind) for kind in expected):
+            if str in expected and isinstance(value, int | float):
+                raise ValueError(not_text(f"{prefix}{field.name}", value))
             kinds = " or ".join(
                 TYPE_NAMES.get(k, "null" if k is type(None) else str(k)) for k in expected
             )
             raise ValueError(f"{prefix}{field.name} must be {kinds}, got {value!r}")
+
+
+def not_text(key: str, value: object) -> str:
+    """The message for a text option that Hydra read as a number or true/false (`ckpt=0`, a
+    sweep job's folder; `prompt=42`): the fix is quoting it."""
+    shown = str(value).lower() if isinstance(value, bool) else value
+    return (
+        f"{key}={shown} is not text: Hydra reads numbers and true/false as such; quote it, "
+        f"e.g. '{key}=\"{shown}\"'"
+    )
 
 
 def check_writable(path: Path, shown: str, fix: str) -> None:

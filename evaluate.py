@@ -303,7 +303,7 @@ def run(cfg: DictConfig) -> dict:
     check_known(cfg, names, "", "evaluate.py")
     options = EvalConfig(batch_size=cfg.batch_size, out=cfg.out)  # before anything is loaded
     device = pick_device(cfg.device)
-    checkpoint = find_checkpoint(cfg.ckpt, "best", "ckpt")
+    checkpoint = find_checkpoint(cfg.get("ckpt"), "best", "ckpt")  # None where not given
     model, hparams = load_checkpoint(checkpoint)
     kind = hparams.get("kind", "gpt")
     config = data_config(cfg, KINDS[kind], hparams, str(checkpoint))

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model
 
+from errors import not_text
 from model.encdec import EncDecConfig, EncoderDecoder
 from model.gpt import GPT, GPTConfig
 from model.hf_gpt2 import from_gpt2
@@ -109,6 +110,13 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
     ckpt_path=), which an export cannot do: it holds no training state; "best" is the best
     checkpoint (see best_checkpoint), else last.ckpt, what a trained model is used from
     (generate.py ckpt=)."""
+    if given is None or given == "???":  # null, or Hydra's mark of a value not given
+        raise ValueError(
+            f"give {key}=: the directory of a run that saved checkpoints (runs live under "
+            "outputs/), a .ckpt file, or an export's directory"
+        )
+    if not isinstance(given, str | os.PathLike):  # ckpt=0, a sweep job's folder
+        raise ValueError(not_text(key, given))
     path = Path(given).expanduser()
     if path.is_file():
         return path
@@ -171,7 +179,13 @@ def load_checkpoint(path: Path) -> tuple[GPT | EncoderDecoder, dict]:
             f"{path} is not a tinyformer checkpoint ({type(error).__name__}: {error}); point "
             "ckpt= at a .ckpt written by train.py"
         ) from error
-    model.load_state_dict(model_state(state))
+    try:
+        model.load_state_dict(model_state(state))
+    except RuntimeError as error:
+        raise ValueError(
+            f"{path} does not hold the weights of its own model config "
+            f"({weights_mismatch(error)}); point ckpt= at a checkpoint train.py wrote whole"
+        ) from None
     return model.eval(), hparams
 
 
@@ -203,18 +217,25 @@ def load_export(folder: Path) -> tuple[GPT | EncoderDecoder, dict]:
         else:  # safetensors stores a tied tensor once; load_model ties it again
             load_model(model, weights_file)
     except (SafetensorError, RuntimeError, KeyError) as error:
-        details = " ".join(str(error).split())[:300]  # load_state_dict's list, on one line
         raise ValueError(
             f"{weights_file} does not hold the weights of {folder / EXPORT_CONFIG}'s model "
-            f"({type(error).__name__}: {details}); export it again"
+            f"({weights_mismatch(error)}); export it again"
         ) from None
     return model.eval(), record
+
+
+def weights_mismatch(error: Exception) -> str:
+    """A failed load's error on one line, for a message: load_state_dict lists every missing or
+    unexpected key over many lines."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
 def pick_device(name: str) -> torch.device:
     """The device= option of the commands that run a trained model: auto, cpu or cuda."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
-        raise ValueError(f"device={name!r} is not available here: use auto, cpu or cuda")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device={name!r} is not one of auto, cpu, cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda, but torch finds no GPU on this machine: use device=cpu")
     return torch.device(name)

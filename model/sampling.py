@@ -5,7 +5,7 @@ from dataclasses import InitVar, dataclass
 
 import torch
 
-from errors import check, check_field_types, check_int
+from errors import check, check_field_types, check_int, check_seed
 from model.generation import Tokenizer, generate
 from model.gpt import GPT
 
@@ -53,6 +53,7 @@ class SamplingConfig:
         top_p = self.top_p
         check(top_p is None or 0.0 < top_p <= 1.0, f"{prefix}top_p", "in (0, 1] or null", top_p)
         check_int(f"{prefix}num_samples", self.num_samples)
+        check_seed(f"{prefix}seed", self.seed)
         if self.cuda_graph and not self.use_cache:
             raise ValueError(
                 f"{prefix}cuda_graph=true replays a KV-cache step: it needs "

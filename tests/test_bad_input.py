@@ -212,6 +212,8 @@ CASES = [
      "error: top_p must be in (0, 1] or null, got 1.5"),
     ("top_p_zero", "generate.py", ["ckpt={run}", "top_p=0"],
      "error: top_p must be in (0, 1] or null, got 0"),
+    ("seed_beyond_its_range", "generate.py", ["ckpt={run}", "seed=18446744073709551616"],
+     "error: seed must be an integer in [0, 2**32), got 18446744073709551616"),
     ("temperature_not_a_number", "generate.py", ["ckpt={run}", "temperature=hot"],
      "error: temperature must be a finite number, got 'hot'"),
     ("cuda_graph_without_cache", "generate.py",
@@ -240,7 +242,18 @@ CASES = [
     ("source_for_a_gpt", "generate.py", ["ckpt={run}", "source=hello"],
      "error: {run}/checkpoints/"),
     ("unknown_device", "generate.py", ["ckpt={run}", "device=tpu"],
-     "error: device='tpu' is not available here"),
+     "error: device='tpu' is not one of auto, cpu, cuda"),
+    ("generate_without_checkpoint", "generate.py", ["prompt=hi"],
+     "error: give ckpt=: the directory of a run that saved checkpoints"),
+    ("evaluate_without_checkpoint", "evaluate.py", [],
+     "error: give ckpt=: the directory of a run that saved checkpoints"),
+    ("null_checkpoint", "generate.py", ["ckpt=null"], "error: give ckpt=: "),
+    ("checkpoint_hydra_reads_as_a_number", "evaluate.py", ["ckpt=0"],
+     "error: ckpt=0 is not text: Hydra reads numbers and true/false as such; quote it, "
+     "e.g. 'ckpt=\"0\"'"),
+    ("checkpoint_missing_a_weight", "generate.py", ["ckpt={tmp}/missing_weight.ckpt"],
+     "error: {tmp}/missing_weight.ckpt does not hold the weights of its own model config "
+     "(RuntimeError: Error(s) in loading state_dict for GPT: Missing key(s)"),
     ("generate_missing_checkpoint", "generate.py", ["ckpt={tmp}/nope"],
      "error: ckpt={tmp}/nope: no checkpoint at {tmp}/nope; give the directory of a run that "
      "saved checkpoints (runs live under outputs/) or a .ckpt file"),
@@ -348,6 +361,9 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     torch.save(torch.ones(3), tmp / "foreign.ckpt")
     last = (trained_run / "checkpoints" / "last.ckpt").read_bytes()
     (tmp / "truncated.ckpt").write_bytes(last[: len(last) // 2])
+    checkpoint = torch.load(trained_run / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint["state_dict"].pop(next(k for k in checkpoint["state_dict"] if "mlp" in k))
+    torch.save(checkpoint, tmp / "missing_weight.ckpt")
     (tmp / "prompt.txt").write_text("ROMEO:")
     (tmp / "lines.txt").write_text("\n\n".join(f"line {i}" for i in range(300)))
     (tmp / "table.csv").write_text("a,b\n1,2\n")

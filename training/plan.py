@@ -9,7 +9,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator, XLAA
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from errors import check, check_int, check_known, config_from, is_int, is_number
+from errors import check, check_int, check_known, check_seed, config_from, is_number
 from kinds import ModelKind, kind_of
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
@@ -74,7 +74,7 @@ def check_options(cfg: DictConfig) -> Plan:
     the checkpoint's run's under this command's overrides."""
     resume = prepare_resume(cfg, HydraConfig.get().overrides.task, in_sweep())
     cfg = resume.cfg
-    check(is_int(cfg.seed, 0) and cfg.seed < 2**32, "seed", "an integer in [0, 2**32)", cfg.seed)
+    check_seed("seed", cfg.seed)
     check(isinstance(cfg.compile, bool), "compile", "true or false", cfg.compile)
     modes = ", ".join(COMPILE_MODES)
     check(cfg.compile_mode in COMPILE_MODES, "compile_mode", f"one of {modes}", cfg.compile_mode)
