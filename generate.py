@@ -10,6 +10,8 @@
 The checkpoint carries the model config and the tokenizer, so it needs nothing else.
 """
 
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -21,7 +23,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import tokenizer_from_dict
-from errors import USER_ERRORS, check, check_field_types, check_known, exit_on_user_error
+from errors import (
+    USER_ERRORS,
+    check,
+    check_field_types,
+    check_known,
+    check_writable,
+    exit_on_user_error,
+)
 from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
 from model.figures import plot_heads
@@ -51,11 +60,6 @@ class Inputs:
     attention_plot: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.prompt, int | float):  # Hydra's reading of prompt=42 or prompt=true
-            raise ValueError(
-                f"prompt={self.prompt!r} is not text: Hydra reads numbers and true/false as "
-                "such; quote the prompt, e.g. 'prompt=\"42\"', or use prompt_file="
-            )
         check_field_types(self, "")
         if self.prompt is not None and self.prompt_file is not None:
             raise ValueError(
@@ -63,13 +67,22 @@ class Inputs:
                 "prompt: keep one"
             )
         if self.attention_plot is not None:  # checked now, not after the decoding
-            suffix = Path(self.attention_plot).suffix.lower().removeprefix(".")
+            plot = Path(self.attention_plot).expanduser()
+            suffix = plot.suffix.lower().removeprefix(".")
             formats = ", ".join(f".{f}" for f in FIGURE_FORMATS)
             check(
                 suffix in FIGURE_FORMATS,
                 "attention_plot",
                 f"an image path ending in {formats}",
                 self.attention_plot,
+            )
+            if plot.is_dir():
+                raise ValueError(
+                    f"attention_plot={self.attention_plot} is a folder: give the image's path, "
+                    f"e.g. {plot / 'attention.png'}"
+                )
+            check_writable(
+                plot, f"attention_plot={self.attention_plot}", "give a path you can write to"
             )
         if not self.interactive:
             return
@@ -94,8 +107,8 @@ class Inputs:
                 raise ValueError(f"prompt_file={self.prompt_file} is a folder: give a text file")
             if not path.is_file():
                 raise FileNotFoundError(f"prompt_file={self.prompt_file}: no file at {path}")
-            try:
-                text, key = path.read_text(encoding="utf-8"), "prompt_file"
+            try:  # bytes decoded, not read_text: its newlines stay as they are (\r\n too)
+                text, key = path.read_bytes().decode("utf-8"), "prompt_file"
             except UnicodeDecodeError as error:
                 raise ValueError(
                     f"prompt_file={self.prompt_file} is not UTF-8 text ({error.reason}): save "
@@ -144,6 +157,8 @@ def translate(
     model: EncoderDecoder, tokenizer, config: SamplingConfig, device: torch.device
 ) -> list[list[int]]:
     """Decode the source num_samples times (once for greedy and beam); print each output."""
+    if not config.source:
+        raise ValueError('source is empty: give the text to decode from, e.g. source="..."')
     source_ids = encode(tokenizer, config.source, "source")
     limit = model.config.max_source_len
     if not 0 < len(source_ids) <= limit:
@@ -286,6 +301,10 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # Ctrl-C: the text so far stays on screen, no traceback
         print(file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted, no traceback
+        # Python would fail again flushing stdout at exit: point it at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
 
 
 if __name__ == "__main__":

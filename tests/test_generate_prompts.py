@@ -2,6 +2,9 @@
 a file, stdin (prompt=-) or one a line (interactive=true), driven through a pipe as a shell
 would; conflicting options fail before anything loads."""
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,16 @@ import torch
 
 from data.tokenizer import CharTokenizer
 from generate import Inputs
-from helpers import run_script, save_checkpoint, sharpened, tiny_encdec, tiny_gpt
+from helpers import (
+    ROOT,
+    clean_env,
+    default_signals,
+    run_script,
+    save_checkpoint,
+    sharpened,
+    tiny_encdec,
+    tiny_gpt,
+)
 from model.sampling import SEPARATOR
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
@@ -95,6 +107,36 @@ def test_interactive_decodes_each_line_as_a_source_for_an_encoder_decoder(tmp_pa
     assert answers == f"\n{SEPARATOR}\n".join(expected)
 
 
+@pytest.mark.slow
+def test_a_reader_that_stops_early_ends_generate_quietly(gpt):
+    # `generate.py ... | head -2`: the pipe closes while samples are still being written.
+    command = [sys.executable, str(ROOT / "generate.py"), f"ckpt={gpt}", "max_new_tokens=5000"]
+    with subprocess.Popen(
+        command + ["num_samples=3"],
+        cwd=ROOT,
+        env=clean_env(gpt.parent),
+        preexec_fn=default_signals,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as process:
+        process.stdout.read(64)
+        process.stdout.close()
+        stderr = process.stderr.read().decode()
+    assert process.returncode == 128 + signal.SIGPIPE, stderr
+    assert stderr == ""
+
+
+@pytest.mark.slow
+def test_an_empty_source_is_one_line(tmp_path):
+    chars = CharTokenizer.from_text(TEXT, specials=["<pad>", "<bos>", "<eos>"])
+    checkpoint = save_checkpoint(tiny_encdec(chars.vocab_size), chars, tmp_path / "ed")
+    result = run_script("generate.py", f"ckpt={checkpoint}", 'source=""', cache_dir=tmp_path)
+    assert result.returncode == 1
+    assert (
+        result.stderr == 'error: source is empty: give the text to decode from, e.g. source="..."\n'
+    )
+
+
 # Options that contradict each other, and the line that says so.
 CONFLICTS = {
     "prompt_and_file": (
@@ -116,8 +158,8 @@ CONFLICTS = {
     ),
     "number_prompt": (
         {"prompt": 42},
-        "prompt=42 is not text: Hydra reads numbers and true/false as such; quote the prompt, "
-        "e.g. 'prompt=\"42\"', or use prompt_file=",
+        "prompt=42 is not text: Hydra reads numbers and true/false as such; quote it, "
+        "e.g. 'prompt=\"42\"'",
     ),
 }
 
@@ -139,3 +181,30 @@ def test_prompt_file_and_stdin_must_give_some_text(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^prompt=- \(stdin\) gave an empty prompt"):
         Inputs(prompt="-").prompt_text()
     assert Inputs().prompt_text() == "\n"  # no prompt: a newline, as before
+
+
+def test_a_prompt_file_is_the_prompt_byte_for_byte(tmp_path):
+    (tmp_path / "crlf.txt").write_bytes("ROMEO:\r\nAy, \u2018tis\r\n".encode())
+    assert (
+        Inputs(prompt_file=str(tmp_path / "crlf.txt")).prompt_text()
+        == "ROMEO:\r\nAy, \u2018tis\r\n"
+    )
+
+
+def test_an_attention_plot_that_cannot_be_written_fails_before_anything_loads(tmp_path):
+    (tmp_path / "maps.png").mkdir()
+    with pytest.raises(ValueError) as error:
+        Inputs(attention_plot=str(tmp_path / "maps.png"))
+    shown = tmp_path / "maps.png"
+    assert str(error.value) == (
+        f"attention_plot={shown} is a folder: give the image's path, e.g. {shown}/attention.png"
+    )
+    (tmp_path / "notes.txt").write_text("")
+    through_a_file = tmp_path / "notes.txt" / "maps.png"
+    with pytest.raises(ValueError) as error:
+        Inputs(attention_plot=str(through_a_file))
+    assert str(error.value) == (
+        f"attention_plot={through_a_file} cannot be written (Not a directory in "
+        f"{tmp_path / 'notes.txt'}): give a path you can write to"
+    )
+    Inputs(attention_plot=str(tmp_path / "new" / "maps.png"))  # folders to make are made
