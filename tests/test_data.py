@@ -291,9 +291,9 @@ def test_unigram_loss_is_a_sane_baseline(dm):
         ({"text_column": ""}, "data.text_column must be a column name, got ''"),
         ({"cache_dir": ""}, "data.cache_dir must be a directory path, got ''"),
         # Types first, as the shell gives them: each key named before anything uses the value
-        ({"cache_dir": 5}, "data.cache_dir must be a string or a path, got 5"),
-        ({"tokenizer_file": 5}, "data.tokenizer_file must be a string or a path or null, got 5"),
-        ({"source": "hub", "name": 5}, "data.name must be a string or null, got 5"),
+        ({"cache_dir": 5}, "data.cache_dir=5 is not text: Hydra reads numbers"),
+        ({"tokenizer_file": 5}, "data.tokenizer_file=5 is not text: Hydra reads numbers"),
+        ({"source": "hub", "name": 5}, "data.name=5 is not text: Hydra reads numbers"),
         ({"val_fraction": "x"}, "data.val_fraction must be a finite number, got 'x'"),
     ],
 )

@@ -478,7 +478,11 @@ def test_second_prepare_is_a_cache_hit(char_dm, cache_dir):
         ({"task": "pairs", "paths": "a.jsonl", "hub_name": "x"}, "needs exactly one of"),
         ({"hub_config": "de-en"}, "data.hub_config must be null without hub_name"),
         ({"cache_dir": ""}, "data.cache_dir must be a directory path, got ''"),
-        ({"task": "pairs", "hub_name": 5}, "data.hub_name must be a string or null, got 5"),
+        (
+            {"task": "pairs", "hub_name": 5},
+            "data.hub_name=5 is not text: Hydra reads numbers and true/false as such; quote it, "
+            "e.g. 'data.hub_name=\"5\"'",
+        ),
         ({"noise_rate": "a"}, "data.noise_rate must be a finite number, got 'a'"),
         ({"max_source_len": 20.5}, "data.max_source_len must be an integer, got 20.5"),
     ],
