@@ -123,7 +123,8 @@ def check_field_types(config: object, prefix: str) -> None:
         union = get_origin(field.type) in (Union, types.UnionType)
         expected = get_args(field.type) if union else (field.type,)
         if not any(_fits(value, kind) for kind in expected):
-            if str in expected and isinstance(value, int | float):
+            text_only = str in expected and not {int, float, bool} & set(expected)
+            if text_only and isinstance(value, int | float):
                 raise ValueError(not_text(f"{prefix}{field.name}", value))
             kinds = " or ".join(
                 TYPE_NAMES.get(k, "null" if k is type(None) else str(k)) for k in expected
