@@ -55,6 +55,9 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
         drop_sorted = mass_before >= top_p
+        # The most likely token stays even where top_p is below float32's smallest number, so
+        # that the comparison above reads it as 0 (top_p=1e-300).
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

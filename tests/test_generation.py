@@ -65,6 +65,7 @@ PROBS = torch.tensor([[0.05, 0.40, 0.25, 0.20, 0.10]])
     "top_p, kept",
     [
         (0.01, [1]),  # the most likely token always survives
+        (1e-300, [1]),  # 0 in float32, which the tensors compare it in
         (0.39, [1]),
         (0.5, [1, 2]),
         (0.6, [1, 2]),
