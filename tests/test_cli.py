@@ -170,6 +170,7 @@ def test_a_run_that_monitors_another_metric_still_reports_its_best_loss(tmp_path
         "a\\${x}",
         "123",
         "1e5",
+        ".5",
         "true",
         "null",
         "nan",

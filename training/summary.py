@@ -164,13 +164,22 @@ def print_best(
     print(f"\nmore: {command} {generate_option('prompt', sample.prompt)} max_new_tokens=500")
 
 
+def _reads_as_number(value: str) -> bool:
+    """Whether Hydra may read `value` unquoted as a number (.5, inf, nan)."""
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
 def generate_option(key: str, value: str) -> str:
     """`key=value` as one shell word that generate.py's command line reads back as the string
     `value` (a speech with commas and apostrophes, say): in double quotes for Hydra, with the
     quotes, the backslashes before them and interpolations `${` escaped, then quoted for the
     shell."""
     # Unquoted where Hydra reads a string back (a path, ROMEO:), not a number, true or null.
-    literal = value.lower() in ("true", "false", "null", "inf", "nan")
+    literal = value.lower() in ("true", "false", "null") or _reads_as_number(value)
     if re.fullmatch(r"[A-Za-z_/.][A-Za-z0-9_./:-]*", value) and not literal:
         return f"{key}={value}"
     escaped = re.sub(r'(\\+)(?="|\$\{|$)', lambda run: run.group(1) * 2, value)
