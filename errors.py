@@ -34,8 +34,21 @@ def exit_on_user_error(
     except errors as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(1)
+
+
+def one_line(error: BaseException) -> str:
+    """The message of `error` on one line. OmegaConf's, ValueErrors, add lines naming the key
+    (`full_key`); one that could not resolve an interpolation, `${...}` in a value the shell
+    handed over (prompt="${x}"), says how to keep the text as it is."""
+    key = getattr(error, "full_key", None)
+    message = f"{key}: {str(error).splitlines()[0]}" if key else str(error)
+    if type(error).__name__.startswith("Interpolation"):  # omegaconf.errors', not imported
+        message += (
+            ": Hydra reads ${...} in a value as an interpolation; write \\${...} to keep it as text"
+        )
+    return message
 
 
 def is_int(value: object, minimum: int | None = None) -> bool:

@@ -212,6 +212,12 @@ CASES = [
      "error: top_p must be in (0, 1] or null, got 1.5"),
     ("top_p_zero", "generate.py", ["ckpt={run}", "top_p=0"],
      "error: top_p must be in (0, 1] or null, got 0"),
+    ("prompt_with_an_interpolation", "generate.py", ["ckpt={run}", 'prompt="${{x}}"'],
+     "error: prompt: Interpolation key 'x' not found: Hydra reads ${{...}} in a value as an "
+     "interpolation; write \\${{...}} to keep it as text"),
+    ("sample_prompt_with_an_interpolation", "train.py", ['sample.prompt="${{x}}"'],
+     "error: Interpolation key 'x' not found: Hydra reads ${{...}} in a value as an "
+     "interpolation; write \\${{...}} to keep it as text"),
     ("seed_beyond_its_range", "generate.py", ["ckpt={run}", "seed=18446744073709551616"],
      "error: seed must be an integer in [0, 2**32), got 18446744073709551616"),
     ("temperature_not_a_number", "generate.py", ["ckpt={run}", "temperature=hot"],
