@@ -156,10 +156,11 @@ def stdin_lines() -> Iterator[str]:
 def translate(
     model: EncoderDecoder, tokenizer, config: SamplingConfig, device: torch.device
 ) -> list[list[int]]:
-    """Decode the source num_samples times (once for greedy and beam); print each output."""
+    """Decode the source num_samples times (once for greedy and beam); print each output. A
+    "<mask>" in the source is the mask token that span corruption trained the model to fill."""
     if not config.source:
         raise ValueError('source is empty: give the text to decode from, e.g. source="..."')
-    source_ids = encode(tokenizer, config.source, "source")
+    source_ids = encode(tokenizer, config.source, "source", masks=True)
     limit = model.config.max_source_len
     if not 0 < len(source_ids) <= limit:
         raise ValueError(

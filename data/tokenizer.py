@@ -17,6 +17,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from data.files import write_text_atomic
 
+# The mask token's name: what a span-corrupted source holds for each span it lost.
+MASK_TOKEN = "<mask>"
+
 
 class SpecialTokens:
     """Ids of the special tokens, which come first in every vocabulary (ids 0..n-1)."""
@@ -40,7 +43,7 @@ class SpecialTokens:
 
     @property
     def mask_id(self) -> int | None:
-        return self._special("<mask>")
+        return self._special(MASK_TOKEN)
 
     @property
     def unk_id(self) -> int | None:
@@ -50,13 +53,33 @@ class SpecialTokens:
     def special_ids(self) -> set[int]:
         return set(range(len(self.specials)))
 
+    def encode_with_masks(self, text: str) -> list[int]:
+        """`text` as ids, each "<mask>" in it as mask_id: a denoising encoder-decoder's source
+        as a person types it, and as train.py prints one. `encode` spells the name out, as it
+        must in training text; so does this for a tokenizer without a mask token."""
+        mask = self.mask_id
+        if mask is None:
+            return self.encode(text)
+        pieces = text.split(MASK_TOKEN)
+        try:
+            encoded = self.encode_batch(pieces)
+        except ValueError:
+            # A piece's error names that piece's unknown characters; the whole text's, all.
+            self.encode("".join(pieces))
+            raise
+        ids = encoded[0]
+        for piece in encoded[1:]:
+            ids += [mask, *piece]
+        return ids
+
 
 class CharTokenizer(SpecialTokens):
     """One token per character; the vocabulary is the sorted set of characters it was built from.
 
     Optional special tokens (e.g. "<pad>", "<bos>", "<eos>", "<mask>") take ids 0..n-1 and the
-    characters follow. Specials mark structure, not text: `encode` never produces them, and
-    `decode` leaves them out unless asked to render them by name.
+    characters follow. Specials mark structure, not text: `encode` never produces them (but
+    `encode_with_masks` reads "<mask>" as the mask, for sources people type), and `decode`
+    leaves them out unless asked to render them by name.
     """
 
     def __init__(self, chars: Sequence[str], specials: Sequence[str] = ()):

@@ -89,10 +89,11 @@ class SamplingConfig:
         }
 
 
-def encode(tokenizer: Tokenizer, text: str, key: str) -> list[int]:
-    """`text` as token ids; a character the tokenizer lacks names the option `key` it came from."""
+def encode(tokenizer: Tokenizer, text: str, key: str, masks: bool = False) -> list[int]:
+    """`text` as token ids; a character the tokenizer lacks names the option `key` it came from.
+    With `masks`, each "<mask>" in the text is the mask token (an encoder-decoder's source)."""
     try:
-        return tokenizer.encode(text)
+        return tokenizer.encode_with_masks(text) if masks else tokenizer.encode(text)
     except ValueError as error:
         raise ValueError(f"{key}={text!r}: {error}") from None
 

@@ -38,6 +38,15 @@ def encdec_run(tmp_path_factory) -> Path:
     return train_run(run_dir, *TINY_ENCDEC, cache_dir=tmp_path_factory.mktemp("encdec_cache"))
 
 
+@pytest.fixture(scope="module")
+def span_run(tmp_path_factory) -> Path:
+    """A short run of span denoising, whose sources hold <mask> tokens."""
+    run_dir = tmp_path_factory.mktemp("run_span")
+    steps = ["trainer.max_steps=20", "trainer.val_check_interval=20", "logger=none"]
+    overrides = [*TINY_ENCDEC, "data.corruption=span", *steps]
+    return train_run(run_dir, *overrides, cache_dir=tmp_path_factory.mktemp("span_cache"))
+
+
 @pytest.mark.slow
 def test_encdec_run_checkpoint_and_decreasing_val_loss(encdec_run):
     assert (encdec_run / "checkpoints" / "last.ckpt").is_file()
@@ -73,6 +82,16 @@ def test_encdec_summary_shows_decodes_and_command(encdec_run):
     more = next(line for line in stdout.splitlines() if line.startswith("more: python "))
     _, script, *arguments = shlex.split(more.removeprefix("more: "))
     result = run_script(script, *arguments, cache_dir=encdec_run / "cache")
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_span_runs_printed_command_decodes_its_masked_source(span_run):
+    stdout = (span_run / "stdout.txt").read_text()
+    more = next(line for line in stdout.splitlines() if line.startswith("more: python "))
+    _, script, *arguments = shlex.split(more.removeprefix("more: "))
+    assert any(a.startswith("source=") and "<mask>" in a for a in arguments), more
+    result = run_script(script, *arguments, cache_dir=span_run / "cache")
     assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
 
 

@@ -9,7 +9,7 @@ import torch
 from data.lm import LMDataConfig, LMDataModule
 from data.seq2seq import Seq2SeqDataModule
 from data.sources import load_shakespeare, normalise_play, shakespeare_files, train_val_split
-from data.tokenizer import CharTokenizer, load_tokenizer, tokenizer_from_dict
+from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer, tokenizer_from_dict
 
 BLOCK, BATCH = 32, 8
 
@@ -128,6 +128,30 @@ def test_tokenizer_specials(tmp_path):
     loaded = load_tokenizer(path)
     assert loaded.to_dict() == tok.to_dict() and loaded.specials == list(specials)
     assert loaded.decode(ids, skip_special=False) == tok.decode(ids, skip_special=False)
+
+
+def test_encode_with_masks_reads_the_mask_tokens_name_as_its_id():
+    tok = CharTokenizer.from_text("ab c<mask>", specials=("<pad>", "<bos>", "<eos>", "<mask>"))
+    a, b, space, c = tok.encode("ab c")
+    assert tok.encode_with_masks("<mask>a b<mask><mask>c") == [3, a, space, b, 3, 3, c]
+    assert tok.encode_with_masks("ab c") == tok.encode("ab c")
+    # encode reads training text, where the name is characters like any others.
+    assert tok.encode("a<mask>") == [a, *(tok.encode(ch)[0] for ch in "<mask>")]
+    # Unknown characters on both sides of a mask are all named.
+    with pytest.raises(ValueError, match=r"2 character\(s\) not in the vocabulary: 'z', 'y'"):
+        tok.encode_with_masks("az<mask>by")
+    # Without a mask token the name is text, as in encode.
+    plain = CharTokenizer.from_text("ab<mask>")
+    assert plain.encode_with_masks("a<mask>") == plain.encode("a<mask>")
+
+
+def test_encode_with_masks_of_bpe_is_the_librarys_reading_of_the_name():
+    specials = ("<pad>", "<bos>", "<eos>", "<mask>")
+    bpe = BPETokenizer.train(["a <mask> light, what light"] * 20, 300, specials)
+    text = "what<mask> light<mask>"
+    ids = bpe.encode_with_masks(text)
+    assert ids.count(bpe.mask_id) == 2 and ids == bpe.encode(text)
+    assert bpe.decode(ids, skip_special=False) == text
 
 
 def test_tokenizer_without_specials_and_old_files_load():

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.seq2seq import SPECIALS
 from data.tokenizer import CharTokenizer
-from generate import Inputs
+from generate import Inputs, translate
 from helpers import (
     ROOT,
     clean_env,
@@ -22,7 +23,8 @@ from helpers import (
     tiny_encdec,
     tiny_gpt,
 )
-from model.sampling import SEPARATOR
+from model.generation import decode_greedy_or_sample, decoding_ids
+from model.sampling import SEPARATOR, SamplingConfig
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 CHARS = CharTokenizer.from_text(TEXT)
@@ -99,9 +101,9 @@ def test_interactive_reports_a_bad_line_and_answers_the_others(gpt):
 
 @pytest.mark.slow
 def test_interactive_decodes_each_line_as_a_source_for_an_encoder_decoder(tmp_path):
-    chars = CharTokenizer.from_text(TEXT, specials=["<pad>", "<bos>", "<eos>"])
+    chars = CharTokenizer.from_text(TEXT, specials=SPECIALS)
     checkpoint = save_checkpoint(sharpened(tiny_encdec(chars.vocab_size)), chars, tmp_path / "ed")
-    lines = ["Speak, speak.", "hear me"]
+    lines = ["Speak, speak.", "hear<mask> me"]  # <mask>: the mask token, as in source=
     answers = generate(checkpoint, "interactive=true", *GREEDY, stdin="\n".join(lines) + "\n")
     expected = [generate(checkpoint, f'source="{line}"', *GREEDY) for line in lines]
     assert answers == f"\n{SEPARATOR}\n".join(expected)
@@ -135,6 +137,19 @@ def test_an_empty_source_is_one_line(tmp_path):
     assert (
         result.stderr == 'error: source is empty: give the text to decode from, e.g. source="..."\n'
     )
+
+
+def test_a_sources_mask_is_the_mask_token_a_span_corrupted_model_fills(capsys):
+    chars = CharTokenizer.from_text(TEXT, specials=SPECIALS)  # no '<' or '>' among its characters
+    torch.manual_seed(0)
+    model = sharpened(tiny_encdec(chars.vocab_size))
+    config = SamplingConfig(source="Speak<mask> me<mask>", decoding="greedy", max_new_tokens=12)
+    (output,) = translate(model, chars, config, torch.device("cpu"))
+    source = [*chars.encode("Speak"), chars.mask_id, *chars.encode(" me"), chars.mask_id]
+    (expected,) = decode_greedy_or_sample(
+        model, torch.tensor([source]), None, max_new_tokens=12, greedy=True, **decoding_ids(chars)
+    )
+    assert output == expected and capsys.readouterr().out == chars.decode(output) + "\n"
 
 
 # Options that contradict each other, and the line that says so.
