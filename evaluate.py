@@ -20,6 +20,7 @@ from pathlib import Path
 
 import hydra
 import torch
+import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
@@ -136,7 +137,11 @@ def score_gpt(
 ) -> dict:
     """Loss, perplexity and bits per character over non-overlapping blocks of the text, as
     training validates: each token after the first is scored once, with the tokens before it
-    in its block as context (the last partial block is left out, as in training)."""
+    in its block as context (the last partial block is left out, as in training).
+
+    The softmax is over the tokenizer's ids only: the rows that pad a model.vocab_size beyond
+    them are never sampled (generate.py) and a format=hf export has none, so a model and its
+    exports get one loss. Training's val/loss counts them, and is higher by their share."""
     documents, shown = eval_documents(config)
     tokens, dropped = token_stream(tokenizer, documents)
     block = config.block_size
@@ -154,7 +159,8 @@ def score_gpt(
     count = 0
     for x, y in progress(blocks):
         x, y = x.to(device), y.to(device)
-        _, loss = model(x, y)
+        logits, _ = model(x)
+        loss = F.cross_entropy(logits[..., : tokenizer.vocab_size].flatten(0, 1), y.flatten())
         nats += loss.double() * y.numel()  # the loss is a mean over the batch's tokens
         chars += token_chars[y].sum()
         count += y.numel()

@@ -19,6 +19,7 @@ from data.seq2seq import SPECIALS
 from data.seq2seq_text import Seq2SeqDataConfig, collate_pairs
 from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
 from evaluate import score_encdec, score_gpt
+from export import ExportOptions, export
 from helpers import (
     BOS,
     EOS,
@@ -141,6 +142,36 @@ def test_bits_per_char_counts_the_characters_each_bpe_token_stands_for(tmp_path)
     assert scored["bits_per_char"] == pytest.approx(
         loss.item() * scored["tokens"] / chars / math.log(2), rel=1e-5
     )
+
+
+def test_a_padded_vocabulary_gets_the_loss_of_its_exports_over_the_tokenizers_ids(tmp_path):
+    pytest.importorskip("transformers")  # format=hf
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?\n" * 3
+    (tmp_path / "held_out.txt").write_text(text)
+    tokenizer = CharTokenizer.from_text(text)
+    padded = sharpened(tiny_gpt(64))  # 40 rows beyond the tokenizer's 24, never sampled
+    checkpoint = save_checkpoint(padded, tokenizer, tmp_path / "padded.ckpt")
+    for format in ("safetensors", "hf"):  # hf cuts the padding rows
+        export(ExportOptions(ckpt=str(checkpoint), out=str(tmp_path / format), format=format))
+    config = LMDataConfig(
+        source="text_files",
+        paths=[str(tmp_path / "held_out.txt")],
+        block_size=16,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    cpu = torch.device("cpu")
+    losses = {
+        path.name: score_gpt(load_checkpoint(path)[0], tokenizer, config, 4, cpu)["loss"]
+        for path in (checkpoint, tmp_path / "safetensors", tmp_path / "hf")
+    }
+    assert load_checkpoint(tmp_path / "hf")[0].config.vocab_size == tokenizer.vocab_size
+    assert losses["padded.ckpt"] == pytest.approx(losses["hf"], rel=1e-5), losses
+    assert losses["safetensors"] == pytest.approx(losses["hf"], rel=1e-5), losses
+    # The softmax of all 64 rows, as training's val/loss takes it, puts mass on the padding.
+    windows = torch.tensor(tokenizer.encode(text)).unfold(0, 17, 16)
+    with torch.no_grad():
+        _, all_rows = padded(windows[:, :-1], windows[:, 1:])
+    assert all_rows.item() > losses["hf"] + 0.1
 
 
 def test_encdec_loss_is_the_mean_over_every_target_token_whatever_the_batches(tmp_path):
