@@ -12,6 +12,7 @@ loss_curves.png (every job's validation curve). When the jobs logged to W&B onli
 import argparse
 import json
 import math
+import reprlib
 import sys
 from functools import partial
 from pathlib import Path
@@ -51,10 +52,40 @@ def read_summary(path: Path) -> dict | str:
         return f"{UNREADABLE} ({type(error).__name__}: {error})"
     if not isinstance(summary, dict) or not isinstance(summary.get("status"), str):
         return f"{UNREADABLE} (a JSON {type(summary).__name__} without a status)"
+    problem = misread_field(summary)
+    return summary if problem is None else f"{UNREADABLE} ({problem})"
+
+
+def _is_number(value: object) -> bool:
+    """A JSON number: NaN and infinity included (a diverged run's loss), a bool not."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def misread_field(summary: dict) -> str | None:
+    """What makes a field the report reads the wrong type for it (formatted as a number,
+    plotted, iterated), in words; None when every one is right. A field may be absent, and
+    the numbers null, as train.py writes them where a run never reached them."""
     overrides = summary.get("overrides", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        return f"{UNREADABLE} (its overrides are not a list of strings)"
-    return summary
+        return "its overrides are not a list of strings"
+    for key, expected, right in (
+        ("job", "a job number", lambda job: isinstance(job, int) and not isinstance(job, bool)),
+        ("error", "a message", lambda error: isinstance(error, str)),
+        # The plots' scale: train.py writes the best finite loss, or null where there is none.
+        ("best_val_loss", "a finite number", lambda loss: _is_number(loss) and math.isfinite(loss)),
+        *((key, "a number", _is_number) for _, key, _ in COLUMNS),
+    ):
+        value = summary.get(key)
+        if value is not None and not right(value):
+            return f"{key} is {reprlib.repr(value)}, not {expected}"
+    history = summary.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(row, dict) for row in history):
+        return f"history is {reprlib.repr(history)}, not a list of rows"
+    for index, row in enumerate(history):
+        for key, value in row.items():
+            if not _is_number(value):
+                return f"history row {index}: {key} is {reprlib.repr(value)}, not a number"
+    return None
 
 
 def load_jobs(sweep_dir: Path) -> list[dict]:

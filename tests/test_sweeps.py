@@ -2,6 +2,7 @@
 report.py, run through the real command line."""
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -254,6 +255,45 @@ def test_report_lists_a_job_whose_summary_cannot_be_read_and_reports_the_others(
         "| 2 | 4 | unreadable summary.json (a JSON list without a status) | – | – | – | – | – | – "
         "| – | – |",
         "| 3 | 8 | completed | – | – | 1.000 | – | – | – | – | – |",
+    ]
+    for plot in ("val_loss.png", "loss_curves.png"):
+        assert (sweep / plot).stat().st_size > 10_000
+
+
+# Fields of a summary.json of the wrong type for the report, and why its row says it is unreadable.
+WRONG_FIELDS = {
+    "string_loss": ({"best_val_loss": "4.1"}, "best_val_loss is '4.1', not a finite number"),
+    "nan_best": ({"best_val_loss": math.nan}, "best_val_loss is nan, not a finite number"),
+    "null_history": ({"history": None}, "history is None, not a list of rows"),
+    "list_metric": ({"val/loss": [3.9, 3.8]}, "val/loss is [3.9, 3.8], not a number"),
+    "bool_metric": ({"wall_seconds": True}, "wall_seconds is True, not a number"),
+    "string_row": ({"history": [{"step": "6"}]}, "history row 0: step is '6', not a number"),
+    "row_not_object": ({"history": [[6, 4.0]]}, "history is [[6, 4.0]], not a list of rows"),
+    "job_name": ({"job": "one"}, "job is 'one', not a job number"),
+    "error_object": ({"error": {"why": 1}}, "error is {'why': 1}, not a message"),
+}
+
+
+@pytest.mark.parametrize(("fields", "why"), WRONG_FIELDS.values(), ids=WRONG_FIELDS.keys())
+def test_a_summary_with_a_field_of_the_wrong_type_is_listed_unreadable(tmp_path, fields, why):
+    sweep = sweep_of(tmp_path / "sweep", 3)
+    summary = json.loads((sweep / "1" / "summary.json").read_text())
+    (sweep / "1" / "summary.json").write_text(json.dumps(summary | fields))
+    # A diverged run's NaN losses are numbers: its summary is read.
+    summary = json.loads((sweep / "2" / "summary.json").read_text())
+    nan = {
+        "val/loss": math.nan,
+        "history": [*summary["history"], {"step": 18, "val/loss": math.nan}],
+    }
+    (sweep / "2" / "summary.json").write_text(json.dumps(summary | nan))
+    assert report.read_summary(sweep / "1" / "summary.json") == f"unreadable summary.json ({why})"
+    result = report_command(sweep, tmp_path / "cache")
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| 0", "| 1", "| 2"))]
+    assert rows == [
+        "| 0 | 1 | completed | – | – | 4.000 | – | – | – | – | – |",
+        f"| 1 | 2 | unreadable summary.json ({why}) | – | – | – | – | – | – | – | – |",
+        "| 2 | 4 | completed | – | nan | 2.000 | – | – | – | – | – |",
     ]
     for plot in ("val_loss.png", "loss_curves.png"):
         assert (sweep / plot).stat().st_size > 10_000
