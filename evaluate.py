@@ -116,12 +116,14 @@ def data_config(
         }
     which = f"data={choice}" if choice else "the default data"
     config = config_from(kind.data_options, options, "data.", which)
+    # Without data=, evaluate.yaml has no data node: the command line adds its keys, with `+`.
+    setting = "data." if choice else "+data."
     for key in kind.lengths:  # positions beyond the model's were never trained
         given, limit = getattr(config, key), hparams["model"][key]
         if given > limit:
             raise ValueError(
                 f"data.{key}={given} is more than the checkpoint's model.{key}={limit}, the "
-                f"longest it was trained on; set data.{key}={limit} or less"
+                f"longest it was trained on; set {setting}{key}={limit} or less"
             )
     return config
 

@@ -296,6 +296,22 @@ def test_encdec_reproduces_the_runs_validation_pairs(encdec_run, pairs_file, cac
         ),
         (
             "gpt",
+            ["+data.block_size=64"],  # no data=: the key the message suggests is added, with +
+            r"data.block_size=64 is more than the checkpoint's model.block_size=32, the longest "
+            r"it was trained on; set \+data.block_size=32 or less$",
+        ),
+        (
+            "encdec",
+            ["+data.max_source_len=40"],
+            r"data.max_source_len=40 is more .*; set \+data.max_source_len=32 or less$",
+        ),
+        (
+            "encdec",
+            ["data=shakespeare_next_line", "data.max_target_len=40"],
+            r"data.max_target_len=40 is more .*; set data.max_target_len=33 or less$",
+        ),
+        (
+            "gpt",
             ["data=text_files", "data.paths=[{short}]"],
             r"all of data.paths \(1 file\(s\)\) has 21 tokens, fewer than one block of "
             r"data.block_size=32 and the token after it",
@@ -313,6 +329,24 @@ def test_mistakes_are_one_line(request, cache, tmp_path, run, overrides, message
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(message, last), last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "data", [[], ["data=text_files", "data.paths=[{text}]"]], ids=["", "files"]
+)
+def test_the_block_size_a_message_suggests_runs_as_written(gpt_run, cache, tmp_path, data):
+    """With data= or without, the setting that the too-long block's message gives is accepted
+    by the command line that got it."""
+    (tmp_path / "text.txt").write_text(TEXT * 8)
+    data = [option.format(text=tmp_path / "text.txt") for option in data]
+    too_long = f"{'data.' if data else '+data.'}block_size=64"
+    result = run_script("evaluate.py", f"ckpt={gpt_run}", *data, too_long, cache_dir=cache)
+    assert result.returncode == 1, result.stderr[-3000:]
+    suggested = re.search(r"; set (\S+)=32 or less$", result.stderr.strip()).group(1)
+    out = f"out={tmp_path / 'scores.json'}"
+    scored = evaluate(cache, f"ckpt={gpt_run}", *data, f"{suggested}=16", out, "batch_size=512")
+    assert scored["data_config"]["block_size"] == 16
 
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n" * 4
