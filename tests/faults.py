@@ -18,12 +18,16 @@ import torch
 
 class SignalAt(L.Callback):
     """Send this process the signal `signum` before step `step + 1`, once `step` steps are
-    done and any checkpoint of step `step` is on disk (they are written beside training)."""
+    done and any checkpoint of step `step` is on disk (they are written beside training). In a
+    distributed run every process signals itself, or, given `rank`, the process of that rank
+    only (0: the one the command started)."""
 
-    def __init__(self, step: int, signum: int) -> None:
-        self.step, self.signum = step, signum
+    def __init__(self, step: int, signum: int, rank: int | None = None) -> None:
+        self.step, self.signum, self.rank = step, signum, rank
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if self.rank not in (None, trainer.global_rank):
+            return
         if trainer.ckpt_path is None and trainer.global_step == self.step:
             trainer.strategy.checkpoint_io.wait()
             os.kill(os.getpid(), self.signum)

@@ -247,10 +247,16 @@ def default_signals() -> None:
 
 
 def run_script(
-    script: str, *arguments: str, cache_dir: Path, env: dict | None = None, stdin: str = ""
+    script: str,
+    *arguments: str,
+    cache_dir: Path,
+    env: dict | None = None,
+    stdin: str = "",
+    timeout: float = 600,
 ) -> subprocess.CompletedProcess:
     """Run one of the project's commands (train.py, generate.py, export.py, report.py) from the
-    root, with `stdin` piped in (nothing by default: a command never waits for a terminal)."""
+    root, with `stdin` piped in (nothing by default: a command never waits for a terminal);
+    one that runs past `timeout` seconds fails the test (subprocess.TimeoutExpired)."""
     return subprocess.run(
         [sys.executable, str(ROOT / script), *arguments],
         cwd=ROOT,
@@ -259,7 +265,7 @@ def run_script(
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
 
 
@@ -330,9 +336,13 @@ def fault(name: str, **options) -> list[str]:
     ]
 
 
-def run_training(cache_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def run_training(
+    cache_dir: Path, *overrides: str, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """train.py with tests/ on its path, so that overrides can add faults.py's callbacks."""
-    return run_script("train.py", *overrides, cache_dir=cache_dir, env={"PYTHONPATH": "tests"})
+    return run_script(
+        "train.py", *overrides, cache_dir=cache_dir, env={"PYTHONPATH": "tests"}, timeout=timeout
+    )
 
 
 def write_hub_dataset(folder: Path, splits: dict[str, list[str]], column: str = "text") -> Path:
