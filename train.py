@@ -155,7 +155,7 @@ def run_fit(
     """(status, error): how Trainer.fit ended ("pruned": an Optuna trial's pruner stopped it
     early). Running out of memory, and a checkpoint whose
     optimizer state does not fit, are one-line errors."""
-    stop.guard_shutdown()
+    stop.guard_shutdown(trainer)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=plan.resume.path, weights_only=True)
     except SIGTERMException:
@@ -200,6 +200,7 @@ def fit(cfg: DictConfig) -> float | None:
     if error:
         raise error
     if status not in ("completed", "pruned"):
+        finish_wandb()  # before the ranks end together (StopSignals.exit): its last writes too
         stop.exit(trainer, plan.run_dir)
     if trainer.is_global_zero:
         print_end(trainer, plan.sample, datamodule, plan.run_dir)  # the last maps draw meanwhile

@@ -135,13 +135,19 @@ def test_a_checkpoint_from_before_q_k_v_were_joined_resumes_to_the_same_weights(
         assert torch.equal(final[key], expected[key]), key
 
 
+@pytest.fixture(scope="module")
+def straight_ddp(tmp_path_factory, cache) -> Path:
+    """The straight run on two processes (trainer=ddp_cpu)."""
+    run_dir = tmp_path_factory.mktemp("straight_ddp")
+    result = run_training(cache, *TINY, "trainer=ddp_cpu", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
 @pytest.mark.slow
-def test_two_process_ddp_run_resumes_exactly(tmp_path, cache):
+def test_two_process_ddp_run_resumes_exactly(tmp_path, cache, straight_ddp):
     """Each rank's share of the data order, and the random streams, continue too."""
     ddp = [*TINY, "trainer=ddp_cpu"]
-    straight = tmp_path / "straight"
-    result = run_training(cache, *ddp, f"hydra.run.dir={straight}")
-    assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "run"
     killed = run_training(
         cache, *ddp, f"hydra.run.dir={run_dir}", *fault("SignalAt", step=20, signum=9)
@@ -150,9 +156,49 @@ def test_two_process_ddp_run_resumes_exactly(tmp_path, cache):
     resumed = run_training(cache, f"ckpt_path={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resuming from") == 1  # rank zero speaks for both
-    final, expected = weights(run_dir), weights(straight)
+    final, expected = weights(run_dir), weights(straight_ddp)
     assert all(torch.equal(final[key], expected[key]) for key in expected)
-    assert losses(run_dir) == losses(straight)
+    assert losses(run_dir) == losses(straight_ddp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stop", "step", "signum"),
+    [
+        # a cluster pre-empting the job signals every process
+        (fault("SignalAt", step=25, signum=signal.SIGTERM), 26, signal.SIGTERM),
+        # a user signals the process they started (which started the other one) only
+        (fault("SignalAt", step=25, signum=signal.SIGTERM, rank=0), 26, signal.SIGTERM),
+        # a terminal's Ctrl-C reaches every process
+        (fault("SignalAt", step=25, signum=signal.SIGINT), 26, signal.SIGINT),
+        # the validation after step 20 finishes, and the run stops at that step
+        (fault("SignalDuringValidation", step=20, signum=signal.SIGTERM), 20, signal.SIGTERM),
+    ],
+    ids=["SIGTERM_to_every_process", "SIGTERM_to_rank_zero", "SIGINT", "SIGTERM_in_validation"],
+)
+def test_a_two_process_ddp_run_stopped_by_a_signal_resumes_exactly(
+    tmp_path, cache, straight_ddp, stop, step, signum
+):
+    # The ranks stop at the same step, and save there together (a collective), however many of
+    # them the signal reached: until they agreed on it, the run failed (a rank's peer gone) or
+    # hung, hence the timeouts.
+    run_dir = tmp_path / "run"
+    ddp = [*TINY, "trainer=ddp_cpu", f"hydra.run.dir={run_dir}"]
+    stopped = run_training(cache, *ddp, *stop, timeout=300)
+    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == step and "partial_gradients" not in saved
+    name = signal.Signals(signum).name
+    said = f"stopped by {name} after step {step}; saved {run_dir}/checkpoints/last.ckpt"
+    assert stopped.stderr.count(said) == 1, stopped.stderr[-3000:]  # rank zero's
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == f"stopped by {name}"
+
+    resumed = run_training(cache, f"ckpt_path={run_dir}", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final, expected = weights(run_dir), weights(straight_ddp)
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+    assert losses(run_dir) == losses(straight_ddp)
 
 
 @pytest.mark.slow
@@ -366,20 +412,54 @@ def test_a_run_stopped_inside_an_accumulated_step_resumes_exactly(
     assert logged_steps(stopped, start=step) == logged_steps(straight, start=step)
 
 
+@pytest.fixture(scope="module")
+def accumulating_ddp(tmp_path_factory, cache, accumulating) -> Path:
+    """The accumulating run on two processes (trainer=ddp_cpu), trained straight to step 6."""
+    run, _ = accumulating
+    straight = tmp_path_factory.mktemp("straight_accumulating_ddp")
+    ddp = [*run, "trainer=ddp_cpu", "trainer.max_steps=6", f"hydra.run.dir={straight}"]
+    result = run_training(cache, *ddp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return straight
+
+
+@pytest.mark.slow
+def test_a_two_process_ddp_run_stopped_inside_an_accumulated_step_resumes_exactly(
+    tmp_path, cache, accumulating, accumulating_ddp
+):
+    # SIGTERM to both processes after batch 5, the second of step 2's three: they stop there
+    # together, and the checkpoint keeps each one's gradients so far (gathered: a collective).
+    # Until the ranks agreed on the stop, the run hung.
+    run, _ = accumulating
+    stopped = tmp_path / "stopped"
+    stop = fault("SignalAtBatch", batch=4, signum=signal.SIGTERM)
+    ddp = [*run, "trainer=ddp_cpu", "trainer.max_steps=6", f"hydra.run.dir={stopped}"]
+    first = run_training(cache, *ddp, *stop, timeout=300)
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 1 and saved["LMDataModule"] == {"epoch": 0, "batch": 5}
+    assert {len(stacked) for stacked in saved["partial_gradients"].values()} == {2}
+    resumed = run_training(cache, f"ckpt_path={stopped}", "trainer.max_steps=6", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    for rank in range(2):
+        assert batches_trained(stopped, rank) == batches_trained(accumulating_ddp, rank)
+    final, expected = weights(stopped), weights(accumulating_ddp)
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one_process", "ddp_two_processes"])
 def test_a_checkpoint_validated_inside_an_accumulated_step_resumes_exactly(
-    tmp_path, cache, accumulating, ranks
+    tmp_path, cache, accumulating, request, ranks
 ):
     # Step 3's validation, after batch 8: the first of step 4's three batches (the second epoch's
     # first), resumed from its file in a new run directory. Until the step all-reduces them, each
     # rank's gradients are its own: the checkpoint keeps every rank's.
     run, straight = accumulating
     if ranks == 2:
-        straight = tmp_path / "straight"
-        ddp = [*run, "trainer=ddp_cpu", "trainer.max_steps=6", f"hydra.run.dir={straight}"]
-        result = run_training(cache, *ddp)
-        assert result.returncode == 0, result.stderr[-3000:]
+        straight = request.getfixturevalue("accumulating_ddp")
     inside = tmp_path / "inside_a_step.ckpt"
     shutil.copyfile(straight / "checkpoints" / "best-step3.ckpt", inside)
     gradients = torch.load(inside, weights_only=True)["partial_gradients"]

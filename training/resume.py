@@ -12,7 +12,7 @@ continues with, what it may not change, what its checkpoints carry, and how it s
   ExactRestart corrects Lightning's saved loop counts where its restart would misread them
   (checkpoints written at or after an epoch's end, or in the last step's validation).
 - StopSignals turns SIGINT, like SIGTERM, into a stop at the next step boundary with a
-  checkpoint.
+  checkpoint, at the same batch on every rank of a distributed run.
 """
 
 import random
@@ -428,6 +428,10 @@ class ExactRestart(L.Callback):
             self._logging_step_to_set = False
 
 
+def _ignore_signal(signum: int, frame) -> None:
+    pass
+
+
 def last_checkpoint_path(trainer: L.Trainer) -> Path | None:
     callback = trainer.checkpoint_callback
     if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None:
@@ -442,11 +446,18 @@ class StopSignals(L.Callback):
     A Ctrl-C during a validation lets it finish first (its loss, and a best checkpoint, would
     otherwise be lost: the resumed run does not repeat it). A second Ctrl-C quits at once.
 
-    Lightning already turns SIGTERM into a SIGTERMException at a step boundary, on every rank of a
-    distributed run; SIGINT is routed through the same path. After fit() raises a
-    SIGTERMException, `signum` and `saved` say what stopped the run and where its checkpoint is
-    (`signum` is set as soon as a signal comes, so a run whose fit() returned may have one
-    that came too late to stop it).
+    On one process, Lightning's SIGTERM handler sets a flag that its loops turn into a
+    SIGTERMException at the end of the batch; SIGINT is routed through the same path. In a run of
+    several processes that handler would broadcast from inside itself, wherever the signal finds
+    each rank, and each rank would stop by its own flag: the ranks' collectives fall out of step,
+    and the run fails or hangs. There, our handlers only record the signal, and after each batch
+    and each validation the ranks agree whether any of them was asked to stop (_agree_on_stop):
+    all stop together, at the end of the same batch; a SIGTERM during a validation, like a
+    Ctrl-C, lets it finish first.
+
+    After fit() raises a SIGTERMException, `signum` and `saved` say what stopped the run and where
+    its checkpoint is (`signum` is set as soon as a signal comes, so a run whose fit() returned
+    may have one that came too late to stop it).
     """
 
     def __init__(self) -> None:
@@ -457,14 +468,23 @@ class StopSignals(L.Callback):
         self._training = False
         self._trainer: L.Trainer | None = None
         self._stop_after_validation = False
+        self._distributed = False
 
-    def guard_shutdown(self) -> None:
+    def guard_shutdown(self, trainer: L.Trainer) -> None:
         """Called before Trainer.fit: SIGTERM gets a handler of ours, which Lightning calls
         beside its own while it trains and puts back when it is done. Once a stop is under way,
         another SIGTERM (a scheduler repeating itself) is ignored, so that the checkpoint and
         the summary are finished rather than cut short; outside training, SIGTERM ends the
-        process as it always would (status 143)."""
+        process as it always would (status 143). In a run of several processes, Lightning's
+        own handler is made to do nothing: ours records the signal, and the ranks agree on the
+        stop (see the class's docstring)."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._distributed = trainer.world_size > 1
+        if self._distributed:
+            # The method Lightning installs as its SIGTERM handler as the fit starts, with ours
+            # beside it. Besides the broadcast, it sends the signal on to the processes that
+            # Lightning started: they need none, the agreement stops them.
+            trainer._signal_connector._sigterm_notifier_fn = _ignore_signal
 
     def _on_sigterm(self, signum: int, frame) -> None:
         if self.signum is not None:
@@ -475,7 +495,9 @@ class StopSignals(L.Callback):
             )
         elif not self._training:
             raise SystemExit(128 + signum)
-        # while training, Lightning's handler (called beside this one) stops at the next step
+        elif self._distributed:
+            self.signum = signal.SIGTERM  # the ranks agree on the stop after this batch
+        # on one process, Lightning's handler (called beside this one) stops at the next step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training, self._trainer = True, trainer
@@ -485,25 +507,51 @@ class StopSignals(L.Callback):
     def _on_sigint(self, signum: int, frame) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: quit now
         self.signum = signal.SIGINT
-        validating = self._trainer is not None and self._trainer.validating
-        print(
-            f"\nCtrl-C: stopping after this {'validation' if validating else 'step'} and saving a "
-            "checkpoint (Ctrl-C again to quit now)",
-            file=sys.stderr,
-        )
+        trainer = self._trainer
+        validating = trainer is not None and trainer.validating
+        if trainer is None or trainer.is_global_zero:  # a terminal's Ctrl-C reaches every rank
+            print(
+                f"\nCtrl-C: stopping after this {'validation' if validating else 'step'} and "
+                "saving a checkpoint (Ctrl-C again to quit now)",
+                file=sys.stderr,
+            )
         if validating:
             self._stop_after_validation = True
         else:
             self._stop_at_step_boundary()
 
     def _stop_at_step_boundary(self) -> None:
-        if callable(self._sigterm_handler):  # Lightning's: it stops the loop at a step boundary
-            self._sigterm_handler(signal.SIGTERM, None)
+        # Distributed, `signum` is all it takes: the ranks agree on the stop after the batch.
+        if not self._distributed and callable(self._sigterm_handler):
+            self._sigterm_handler(signal.SIGTERM, None)  # Lightning's: it stops the loop
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        if self._distributed:
+            self._agree_on_stop(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._stop_after_validation:
             self._stop_after_validation = False
             self._stop_at_step_boundary()
+        if self._distributed and self._training:  # not in the sanity check, before training
+            self._agree_on_stop(trainer)
+
+    def _agree_on_stop(self, trainer: L.Trainer) -> None:
+        """Whether any rank was asked to stop, and by which signal (SIGTERM over SIGINT): one
+        all-reduce, the same answer on every rank. If so, every rank sets Lightning's flag here,
+        so that all raise SIGTERMException together at the end of this batch (after its
+        validation, if it has one) and save last.ckpt together: saving is a collective too.
+
+        Called on every rank after each batch and each validation, in runs of several processes
+        only: it costs one all-reduce of one number per batch, read on the host, as Lightning's
+        own check on every batch (a broadcast) does."""
+        asked = torch.tensor([self.signum or 0], device=trainer.strategy.root_device)
+        torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
+        if asked.item():
+            self.signum = int(asked.item())
+            trainer._signal_connector.received_sigterm = True  # what Lightning's handler sets
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is not None:
@@ -524,6 +572,10 @@ class StopSignals(L.Callback):
                 f"{saved}; continue with: python train.py ckpt_path={run_dir}",
                 file=sys.stderr,
             )
+        # Every rank ends with this status, none before rank zero has written all: the launcher
+        # that started the other ranks (Lightning's) kills every process as soon as one of them
+        # ends with a status other than 0, its checkpoint's background write included.
+        trainer.strategy.barrier("StopSignals.exit")
         sys.exit(128 + self.signum)
 
     def on_exception(
