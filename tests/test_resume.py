@@ -47,6 +47,15 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
 
+def assert_same_weights(run_dir: Path, straight: Path) -> None:
+    """The last checkpoints of the two runs hold the very same weights, bit for bit (under the
+    same names: the straight run's layout)."""
+    final, expected = weights(run_dir), weights(straight)
+    assert final.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), key
+
+
 def losses(run_dir: Path) -> list[tuple]:
     """(step, train/loss, val/loss) of every row of the run's history (summary.json)."""
     rows = json.loads((run_dir / "summary.json").read_text())["history"]
@@ -102,10 +111,7 @@ def test_killed_run_resumes_to_the_same_weights_and_history(
         resumed.stdout
     )
 
-    final, expected = weights(run_dir), weights(straight)
-    assert final.keys() == expected.keys()
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(run_dir, straight)
     # The history has every step once, with the straight run's values: no gap, no repeat.
     assert losses(run_dir) == losses(straight)
     # The first start's record is kept; the resumed one is beside it.
@@ -129,10 +135,7 @@ def test_a_checkpoint_from_before_q_k_v_were_joined_resumes_to_the_same_weights(
 
     resumed = run_training(cache, f"ckpt_path={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final, expected = weights(run_dir), weights(straight)
-    assert final.keys() == expected.keys()  # saved in today's layout
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(run_dir, straight)  # saved in today's layout
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +159,7 @@ def test_two_process_ddp_run_resumes_exactly(tmp_path, cache, straight_ddp):
     resumed = run_training(cache, f"ckpt_path={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resuming from") == 1  # rank zero speaks for both
-    final, expected = weights(run_dir), weights(straight_ddp)
-    assert all(torch.equal(final[key], expected[key]) for key in expected)
+    assert_same_weights(run_dir, straight_ddp)
     assert losses(run_dir) == losses(straight_ddp)
 
 
@@ -195,9 +197,7 @@ def test_a_two_process_ddp_run_stopped_by_a_signal_resumes_exactly(
 
     resumed = run_training(cache, f"ckpt_path={run_dir}", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final, expected = weights(run_dir), weights(straight_ddp)
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(run_dir, straight_ddp)
     assert losses(run_dir) == losses(straight_ddp)
 
 
@@ -218,10 +218,7 @@ def test_sigkilled_job_repeating_its_command_with_ckpt_path_last_resumes_exactly
     resumed = run_training(cache, *command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {run_dir}/checkpoints/last.ckpt at step 20" in resumed.stdout
-    final, expected = weights(run_dir), weights(straight)
-    assert final.keys() == expected.keys()
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(run_dir, straight)
     assert losses(run_dir) == losses(straight)
     assert "SignalAt" in (run_dir / ".hydra" / "overrides.yaml").read_text()
     assert (run_dir / ".hydra" / "resume-1" / "overrides.yaml").is_file()
@@ -273,9 +270,7 @@ def test_a_run_accumulating_over_shortened_epochs_resumes_on_the_same_batches(tm
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     assert batches_trained(stopped) == batches_trained(straight)
-    final, expected = weights(stopped), weights(straight)
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(stopped, straight)
 
 
 LOSSES = ("train/loss", "val/loss")
@@ -333,9 +328,7 @@ def test_a_run_stopped_at_an_epochs_end_or_a_validated_step_resumes_exactly(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     assert batches_trained(stopped) == batches_trained(straight)
-    final, expected = weights(stopped), weights(straight)
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(stopped, straight)
     # The loggers' steps go on as the straight run's (Lightning logs the values of a step
     # at the step before it counts it: step 8's at 7).
     assert logged_steps(stopped, start=step) == logged_steps(straight, start=step)
@@ -357,9 +350,7 @@ def test_a_run_without_validation_resumed_twice_trains_on_the_same_batches(
         assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     assert batches_trained(stopped) == batches_trained(straight)
-    final, expected = weights(stopped), weights(straight)
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(stopped, straight)
 
 
 @pytest.fixture(scope="module")
@@ -406,9 +397,7 @@ def test_a_run_stopped_inside_an_accumulated_step_resumes_exactly(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     assert batches_trained(stopped) == batches_trained(straight)
-    final, expected = weights(stopped), weights(straight)
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(stopped, straight)
     assert logged_steps(stopped, start=step) == logged_steps(straight, start=step)
 
 
@@ -444,9 +433,7 @@ def test_a_two_process_ddp_run_stopped_inside_an_accumulated_step_resumes_exactl
 
     for rank in range(2):
         assert batches_trained(stopped, rank) == batches_trained(accumulating_ddp, rank)
-    final, expected = weights(stopped), weights(accumulating_ddp)
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(stopped, accumulating_ddp)
 
 
 @pytest.mark.slow
@@ -470,9 +457,7 @@ def test_a_checkpoint_validated_inside_an_accumulated_step_resumes_exactly(
 
     for rank in range(ranks):
         assert batches_trained(run_dir, rank) == batches_trained(straight, rank)[8:]
-    final, expected = weights(run_dir), weights(straight)
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(run_dir, straight)
 
 
 @pytest.mark.slow
@@ -594,9 +579,7 @@ def test_a_muon_run_resumes_to_the_same_weights(tmp_path, cache):
     assert killed.returncode == 128 + signal.SIGTERM, killed.stderr[-3000:]
     resumed = run_training(cache, f"ckpt_path={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final, expected = weights(run_dir), weights(straight)
-    for key in expected:
-        assert torch.equal(final[key], expected[key]), key
+    assert_same_weights(run_dir, straight)
     assert losses(run_dir) == losses(straight)
     # Muon's matrices peak at optim.muon_lr (4e-3), the rest at optim.lr (2e-3).
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
