@@ -549,8 +549,9 @@ class StopSignals(L.Callback):
         own check on every batch (a broadcast) does."""
         asked = torch.tensor([self.signum or 0], device=trainer.strategy.root_device)
         torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
-        if asked.item():
-            self.signum = int(asked.item())
+        signum = int(asked.item())  # the one wait for the device of the agreement
+        if signum:
+            self.signum = signum
             trainer._signal_connector.received_sigterm = True  # what Lightning's handler sets
 
     def _restore_sigint(self) -> None:
