@@ -432,6 +432,10 @@ def _ignore_signal(signum: int, frame) -> None:
     pass
 
 
+def _no_broadcast() -> None:
+    pass
+
+
 def last_checkpoint_path(trainer: L.Trainer) -> Path | None:
     callback = trainer.checkpoint_callback
     if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None:
@@ -485,6 +489,9 @@ class StopSignals(L.Callback):
             # beside it. Besides the broadcast, it sends the signal on to the processes that
             # Lightning started: they need none, the agreement stops them.
             trainer._signal_connector._sigterm_notifier_fn = _ignore_signal
+            # And its check before each batch, a broadcast of rank zero's flag, which the
+            # agreement after each batch makes redundant: one collective a batch, not two.
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
     def _on_sigterm(self, signum: int, frame) -> None:
         if self.signum is not None:
@@ -545,8 +552,8 @@ class StopSignals(L.Callback):
         validation, if it has one) and save last.ckpt together: saving is a collective too.
 
         Called on every rank after each batch and each validation, in runs of several processes
-        only: it costs one all-reduce of one number per batch, read on the host, as Lightning's
-        own check on every batch (a broadcast) does."""
+        only: it costs one all-reduce of one number per batch, read on the host, in place of
+        Lightning's own check before every batch (a broadcast, turned off by guard_shutdown)."""
         asked = torch.tensor([self.signum or 0], device=trainer.strategy.root_device)
         torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
         signum = int(asked.item())  # the one wait for the device of the agreement
