@@ -111,10 +111,11 @@ def test_interactive_decodes_each_line_as_a_source_for_an_encoder_decoder(tmp_pa
 
 @pytest.mark.slow
 def test_a_reader_that_stops_early_ends_generate_quietly(gpt):
-    # `generate.py ... | head -2`: the pipe closes while samples are still being written.
+    # `generate.py ... | head -2`: the pipe closes while samples are still being written (100k
+    # characters, more than a pipe holds: generate.py cannot have written them all).
     command = [sys.executable, str(ROOT / "generate.py"), f"ckpt={gpt}", "max_new_tokens=5000"]
     with subprocess.Popen(
-        command + ["num_samples=3"],
+        command + ["num_samples=20"],
         cwd=ROOT,
         env=clean_env(gpt.parent),
         preexec_fn=default_signals,
