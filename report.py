@@ -229,9 +229,17 @@ def optuna_best(sweep_dir: Path) -> str:
     results = sweep_dir / "optimization_results.yaml"
     if not results.is_file():
         return ""
-    best = yaml.safe_load(results.read_text())
-    params = ", ".join(f"{k}={v}" for k, v in best.get("best_params", {}).items())
-    return f"\nBest trial (Optuna): val loss {best.get('best_value'):.4f} with {params}\n"
+    try:
+        best = yaml.safe_load(results.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        best = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    value = best.get("best_value") if isinstance(best, dict) else None
+    params = best.get("best_params", {}) if isinstance(best, dict) else None
+    if not (_is_number(value) and isinstance(params, dict)):  # a hand's edit, a cut-off write
+        why = best if isinstance(best, str) else "no best_value number and best_params mapping"
+        return f"\nBest trial (Optuna): {results.name} cannot be read ({why})\n"
+    shown = ", ".join(f"{k}={v}" for k, v in params.items())
+    return f"\nBest trial (Optuna): val loss {value:.4f} with {shown}\n"
 
 
 def jobs_logged_online(jobs: list[dict]) -> bool:

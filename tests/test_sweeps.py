@@ -260,6 +260,26 @@ def test_report_lists_a_job_whose_summary_cannot_be_read_and_reports_the_others(
         assert (sweep / plot).stat().st_size > 10_000
 
 
+@pytest.mark.parametrize(
+    ("written", "why"),
+    [
+        ("best_value: low\nbest_params: {}\n", "no best_value number and best_params mapping"),
+        ("best_value: 3.9\nbest_params: [1]\n", "no best_value number and best_params mapping"),
+        ("best_value: [3.9\n", "ParserError: while parsing a flow sequence"),
+    ],
+    ids=["string_value", "list_params", "cut_off"],
+)
+def test_an_optuna_result_that_cannot_be_read_is_said_and_the_jobs_are_reported(
+    tmp_path, written, why
+):
+    sweep = sweep_of(tmp_path / "sweep", 2)
+    (sweep / "optimization_results.yaml").write_text(written)
+    result = report_command(sweep, tmp_path / "cache")
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+    assert "| 1 | 2 | completed |" in result.stdout
+    assert f"Best trial (Optuna): optimization_results.yaml cannot be read ({why}" in result.stdout
+
+
 # Fields of a summary.json of the wrong type for the report, and why its row says it is unreadable.
 WRONG_FIELDS = {
     "string_loss": ({"best_val_loss": "4.1"}, "best_val_loss is '4.1', not a finite number"),
