@@ -16,6 +16,13 @@ import lightning as L
 import torch
 
 
+def signal_once_saved(trainer: L.Trainer, signum: int) -> None:
+    """Send this process `signum` once the checkpoints written so far are on disk (they are
+    written beside training)."""
+    trainer.strategy.checkpoint_io.wait()
+    os.kill(os.getpid(), signum)
+
+
 class SignalAt(L.Callback):
     """Send this process the signal `signum` before step `step + 1`, once `step` steps are
     done and any checkpoint of step `step` is on disk (they are written beside training). In a
@@ -29,8 +36,7 @@ class SignalAt(L.Callback):
         if self.rank not in (None, trainer.global_rank):
             return
         if trainer.ckpt_path is None and trainer.global_step == self.step:
-            trainer.strategy.checkpoint_io.wait()
-            os.kill(os.getpid(), self.signum)
+            signal_once_saved(trainer, self.signum)
 
 
 class SignalAtBatch(L.Callback):
@@ -44,8 +50,7 @@ class SignalAtBatch(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         # the batch starting is counted already: the ones before it are its index
         if trainer.ckpt_path is None and trainer.fit_loop.total_batch_idx == self.batch:
-            trainer.strategy.checkpoint_io.wait()
-            os.kill(os.getpid(), self.signum)
+            signal_once_saved(trainer, self.signum)
 
 
 class SignalDuringValidation(L.Callback):
