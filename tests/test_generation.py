@@ -104,6 +104,18 @@ def test_next_token_greedy_and_filtered_sampling():
     assert torch.equal(next_token(logits, top_k=1, generator=generator), logits.argmax(-1))
     # a near-zero temperature also collapses onto the argmax
     assert torch.equal(next_token(logits, temperature=1e-4, generator=generator), logits.argmax(-1))
+    # down to temperatures that float32 reads as subnormal or as 0, not NaN
+    for temperature in (1e-40, 1e-50, 5e-324):
+        for top_p in (None, 0.9):
+            picked = next_token(logits, temperature=temperature, top_p=top_p, generator=generator)
+            assert torch.equal(picked, logits.argmax(-1))
+
+
+def test_a_tiny_temperature_samples_among_tied_best_tokens():
+    logits = torch.tensor([[2.0, 5.0, 5.0, -1.0]]).expand(400, 4)
+    generator = torch.Generator().manual_seed(0)
+    tokens = next_token(logits, temperature=1e-45, generator=generator)
+    assert set(tokens.tolist()) == {1, 2}
 
 
 def test_sampling_follows_the_filtered_distribution():
