@@ -1,5 +1,9 @@
 """Byte-level BPE: trained on the training split, any Unicode round-trips, carried as JSON."""
 
+import json
+import pickle
+
+import numpy as np
 import pytest
 
 from data.lm import LMDataConfig, LMDataModule
@@ -52,8 +56,42 @@ def test_bpe_save_load_and_dict_round_trip(bpe, tmp_path):
     for loaded in (load_tokenizer(tmp_path / "tokenizer.json"), tokenizer_from_dict(bpe.to_dict())):
         assert isinstance(loaded, BPETokenizer)
         assert loaded.specials == list(SPECIALS)
-        for text in TEXTS:
+        for text in [*TEXTS, SPECIALS_IN_TEXT]:
             assert loaded.encode(text) == bpe.encode(text)
+            assert not set(loaded.encode(text)) & loaded.special_ids
+
+
+SPECIALS_IN_TEXT = "a text saying <eos> and <pad><bos> is text, as the char tokenizer reads it"
+
+
+def test_bpe_encodes_a_specials_name_in_text_as_text(bpe):
+    ids = bpe.encode(SPECIALS_IN_TEXT)
+    assert not set(ids) & bpe.special_ids
+    assert bpe.decode(ids) == SPECIALS_IN_TEXT
+    assert bpe.encode_batch([SPECIALS_IN_TEXT]) == [ids]
+    assert pickle.loads(pickle.dumps(bpe)).encode(SPECIALS_IN_TEXT) == ids
+
+
+def test_bpe_training_tokens_hold_no_special_spelled_in_the_corpus(tmp_path):
+    """Tokenized in 2 worker processes, which get the tokenizer pickled."""
+    rows = [f"{SPECIALS_IN_TEXT} {i}" for i in range(40)]
+    corpus = tmp_path / "rows.jsonl"
+    corpus.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    module = LMDataModule(
+        source="text_files",
+        paths=[str(corpus)],
+        tokenizer="bpe",
+        bpe_vocab_size=300,
+        block_size=8,
+        num_proc=2,
+        cache_dir=tmp_path / "cache",
+    )
+    module.prepare_data()
+    module.setup()
+    for split in ("train", "val"):
+        tokens = np.asarray(module._split(split))
+        assert not set(tokens.tolist()) & module.tokenizer.special_ids, split
+        assert SPECIALS_IN_TEXT in module.tokenizer.decode(tokens.tolist()), split
 
 
 def test_bpe_vocab_too_small_names_the_key():

@@ -145,13 +145,14 @@ def test_encode_with_masks_reads_the_mask_tokens_name_as_its_id():
     assert plain.encode_with_masks("a<mask>") == plain.encode("a<mask>")
 
 
-def test_encode_with_masks_of_bpe_is_the_librarys_reading_of_the_name():
+def test_encode_with_masks_of_bpe_reads_the_name_that_encode_spells_out():
     specials = ("<pad>", "<bos>", "<eos>", "<mask>")
     bpe = BPETokenizer.train(["a <mask> light, what light"] * 20, 300, specials)
     text = "what<mask> light<mask>"
     ids = bpe.encode_with_masks(text)
-    assert ids.count(bpe.mask_id) == 2 and ids == bpe.encode(text)
-    assert bpe.decode(ids, skip_special=False) == text
+    assert ids == [*bpe.encode("what"), bpe.mask_id, *bpe.encode(" light"), bpe.mask_id]
+    assert bpe.mask_id not in bpe.encode(text)
+    assert bpe.decode(ids, skip_special=False) == bpe.decode(bpe.encode(text)) == text
 
 
 def test_tokenizer_without_specials_and_old_files_load():

@@ -65,28 +65,38 @@ def test_the_char_tokenizer_json_refuses_unknown_characters_as_ours_does(char, t
             library_encode(loaded, "zebra")
 
 
-def test_a_specials_name_in_text_is_the_char_files_one_difference(tmp_path):
-    # Documented in CharTokenizer._library_tokenizer: ours encodes the name's characters, the
-    # library matches the special token (its switch against that is not saved in the file).
-    char = CharTokenizer.from_text("<mask> me", SPECIALS)
-    char.save(tmp_path / "tokenizer.json")
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_a_specials_name_in_text_is_the_files_one_difference(kind, tmp_path):
+    # Documented in CharTokenizer._library_tokenizer and BPETokenizer.__init__: ours encodes the
+    # name's characters, the library matches the special token (its switch against that is not
+    # saved in the file).
+    text = "<mask> me" if kind == "char" else "<eos> me"
+    tokenizer = (
+        CharTokenizer.from_text(text, SPECIALS)
+        if kind == "char"
+        else BPETokenizer.train(text * 20, vocab_size=300, specials=BPE_SPECIALS)
+    )
+    special = tokenizer.mask_id if kind == "char" else tokenizer.eos_id
+    tokenizer.save(tmp_path / "tokenizer.json")
     loaded = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    assert char.encode("<mask> me") == char.encode("<mask>") + char.encode(" me")
-    assert len(char.encode("<mask>")) == 6
-    assert loaded.encode("<mask> me").ids == [char.mask_id, *char.encode(" me")]
+    name = text.split(" ")[0]
+    spelled = tokenizer.encode(name)
+    assert len(spelled) > 1 and not set(spelled) & tokenizer.special_ids
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert loaded.encode(text).ids == [special, *tokenizer.encode(" me")]
 
 
 def test_the_bpe_tokenizer_json_gives_our_ids(bpe, tmp_path):
     path = tmp_path / "tokenizer.json"
     bpe.save(path)
-    text = f"<bos>{TEXT}<eos><pad>"  # BPE, the library's own, matches specials in text
-    ours = bpe.encode(text)
-    assert ours[0] == bpe.bos_id and ours[-2:] == [bpe.eos_id, bpe.pad_id]
-    assert len(ours) < len(text) / 2  # merges were learned and are used
+    ours = bpe.encode(TEXT)
+    assert len(ours) < len(TEXT) / 2  # merges were learned and are used
+    framed = [bpe.bos_id, *ours, bpe.eos_id, bpe.pad_id]
     for name, loaded in library_loads(path).items():
-        assert library_encode(loaded, text) == ours, name
-        assert loaded.decode(ours, skip_special_tokens=True) == bpe.decode(ours) == TEXT, name
-        assert loaded.decode(ours, skip_special_tokens=False) == text, name
+        assert library_encode(loaded, TEXT) == ours, name
+        assert loaded.decode(framed, skip_special_tokens=True) == bpe.decode(framed) == TEXT, name
+        shown = loaded.decode(framed, skip_special_tokens=False)
+        assert shown == bpe.decode(framed, skip_special=False) == f"<bos>{TEXT}<eos><pad>", name
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
