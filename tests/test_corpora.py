@@ -247,12 +247,22 @@ def test_a_jsonl_file_whose_rows_lack_the_text_column_is_refused_before_it_is_re
     body = '{"body": "' + "a row " * 100 + '"}\n'
     late.write_text(body * ((10 << 20) // len(body) + 1) + '{"body": "", "text": "too late"}\n')
     message = (
-        f"data.text_column='text' is not a column of the rows of {late} in its first 10 MiB, "
+        f"data.text_column='text' is first met in a row of {late} past its first 10 MiB, where "
+        "`datasets` has taken the columns of JSON Lines to be ['body'] and refuses a row with "
+        "another; give the rows before it the key 'text' too (null where they have none), or "
+        "put a row that holds it first"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        LMDataConfig(source="text_files", paths=[str(late)])
+    never = tmp_path / "never.jsonl"  # as large, and no row holds the column: the option's fault
+    never.write_text(body * ((10 << 20) // len(body) + 2))
+    message = (
+        f"data.text_column='text' is not a column of the rows of {never} in its first 10 MiB, "
         "where `datasets` finds the columns of JSON Lines; available columns: ['body']; set "
         "data.text_column"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        LMDataConfig(source="text_files", paths=[str(late)])
+        LMDataConfig(source="text_files", paths=[str(never)])
     # as `datasets` would have refused it once read
     with pytest.raises(ValueError, match=r"^data.paths: cannot read .*column names don't match"):
         read_files("json", [late], tmp_path / "cache", "data.paths")
