@@ -407,8 +407,8 @@ def test_a_hub_directory_file_datasets_cannot_read_is_named_with_its_fault(tmp_p
 
 
 def test_hub_dataset_offline_is_explained(cache_dir, monkeypatch):
-    # The Hub does not answer here: `datasets` would retry for ~25 s before failing, so it is
-    # told up front that it is offline (what HF_HUB_OFFLINE=1 does at import time).
+    # Offline mode, as HF_HUB_OFFLINE=1 sets it at import time: the user's way to ask for it,
+    # and one that keeps the test off the network wherever it runs.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     dm = Seq2SeqDataModule(task="pairs", hub_name="wmt16", hub_config="de-en", cache_dir=cache_dir)
