@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -386,11 +385,9 @@ def test_an_unreachable_hub_is_explained_at_once(tmp_path, hub_on_this_machine, 
     module = LMDataModule(
         source="hub", name="wikitext", config="wikitext-2-raw-v1", cache_dir=tmp_path
     )
-    start = time.perf_counter()
     with pytest.raises(ValueError, match=r"unreachable \(offline\); use local files instead"):
         module.prepare_data()
-    assert not retries(caplog)
-    assert time.perf_counter() - start < 10
+    assert not retries(caplog)  # the ~24 s of waiting were those retries' sleeps
     assert not datasets.config.HF_HUB_OFFLINE  # offline only for that load
     assert not huggingface_hub.constants.HF_HUB_OFFLINE
 
