@@ -241,9 +241,9 @@ def load_hub(
         ) from err
 
 
-# How long the Hub's host (or the proxy to it) may take to accept a TCP connection before it is
-# taken for unreachable: long enough for one lost SYN (Linux sends it again after 1 s), short
-# beside the ~24 s that huggingface_hub's retries of an unreachable Hub take.
+# How long each address of the Hub's host (or the proxy to it) is given to accept a TCP
+# connection: long enough for one lost SYN (Linux sends it again after 1 s). A route that takes
+# longer is not taken for offline (see hub_reachable).
 HUB_CONNECT_TIMEOUT = 2.0
 # The port of a URL (the Hub's, a proxy's) that names none, by its scheme, as httpx reads it.
 DEFAULT_PORTS = {"http": 80, "https": 443, "socks5": 1080, "socks5h": 1080}
@@ -262,7 +262,8 @@ def _offline_unless_hub_reachable(name: str) -> Iterator[None]:
     that fallback (`datasets` knows its cache layout). `datasets`' flag sends it to the
     fallback; huggingface_hub's makes any request that would still be tried fail at once
     (OfflineModeIsEnabled, a ConnectionError) instead of being retried. Both are restored
-    afterwards, so a later load in this process asks the Hub again."""
+    afterwards, so a later load in this process asks the Hub again. They are the process's:
+    no two loads may run in threads at once (load_hub runs in prepare_data alone)."""
     import datasets
     from huggingface_hub import constants
 
@@ -271,7 +272,7 @@ def _offline_unless_hub_reachable(name: str) -> Iterator[None]:
     if (
         os.path.isdir(name)
         or datasets.config.HF_HUB_OFFLINE
-        or constants.is_offline_mode()
+        or constants.HF_HUB_OFFLINE
         or hub_reachable(datasets.config.HF_ENDPOINT)
     ):
         yield
@@ -286,12 +287,14 @@ def _offline_unless_hub_reachable(name: str) -> Iterator[None]:
 
 def hub_reachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT) -> bool:
     """Whether the Hub at `endpoint` (a URL: HF_ENDPOINT, by default https://huggingface.co)
-    accepts a TCP connection, each address of its host given `timeout` seconds; or a proxy that
-    the environment names for its scheme (HTTPS_PROXY, ALL_PROXY, ...: huggingface_hub's httpx
-    client goes through it) does. Proxies are tried first (a proxied network may not resolve
-    the Hub's name), and the Hub is unreachable only when no route answers: httpx would fail on
-    any of them then, so a machine that reaches the Hub by one of them is not taken for offline.
-    A URL that cannot be read counts as reachable, leaving the verdict to `datasets`."""
+    may be reached: False only when its host's name does not resolve or every address of it
+    refuses or has no route, and so does each proxy that the environment names for its scheme
+    (HTTPS_PROXY, ALL_PROXY, ...: huggingface_hub's httpx client goes through it; NO_PROXY is
+    not read, which errs on the side of reachable). Proxies are tried first (a proxied network
+    may not resolve the Hub's name). A route that gives no answer within `timeout` seconds an
+    address counts as reachable: a slow or lossy network is left to huggingface_hub's retries,
+    which may get through, rather than failing a download that would have worked. So does a
+    URL that cannot be read, leaving the verdict to `datasets`."""
     from urllib.request import getproxies  # already imported by `datasets` when called
 
     proxies = getproxies()
@@ -308,7 +311,9 @@ def hub_reachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT) -> bool:
         try:
             with socket.create_connection((url.hostname, port), timeout=timeout):
                 return True
-        except OSError:  # no such name, refused, no route, timed out
+        except TimeoutError:
+            return True
+        except OSError:  # no such name, refused, no route
             continue
     return False
 

@@ -2,6 +2,7 @@
 parallel tokenisation, reused tokenizers, and cache entries built once under concurrency."""
 
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -350,6 +351,14 @@ def hub_on_this_machine(monkeypatch):
         endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
         monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        # and the URLs the libraries made of HF_ENDPOINT as they were imported, so that their
+        # requests go to the socket too, and not to the real Hub on a machine that has one
+        files = "/{repo_id}/resolve/{revision}/{filename}"
+        monkeypatch.setattr(
+            huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + files
+        )
+        files = "/datasets/{repo_id}/resolve/{revision}/{path}"
+        monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", endpoint + files)
         return endpoint
 
     return hub_at
@@ -372,12 +381,26 @@ def listening():
         yield sock
 
 
-def retries(caplog) -> list[str]:
-    """The retries huggingface_hub logged ("Retrying in 8s [Retry 5/5].")."""
-    return [r.getMessage() for r in caplog.records if "Retry" in r.getMessage()]
+@pytest.fixture
+def stalled():
+    """A socket on 127.0.0.1 that answers no further connection: listening, with its queue of
+    one filled (Linux drops the handshakes that would overflow it, so a connection times out)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(0)
+        with socket.create_connection(sock.getsockname()):
+            yield sock
 
 
-def test_an_unreachable_hub_is_explained_at_once(tmp_path, hub_on_this_machine, refusing, caplog):
+@pytest.fixture
+def retries(caplog):
+    """retries(): the retries huggingface_hub logged ("Retrying in 8s [Retry 5/5]."), logged
+    whatever the verbosity set in the environment."""
+    caplog.set_level(logging.WARNING, logger="huggingface_hub")
+    return lambda: [r.getMessage() for r in caplog.records if "Retry" in r.getMessage()]
+
+
+def test_an_unreachable_hub_is_explained_at_once(tmp_path, hub_on_this_machine, refusing, retries):
     """huggingface_hub retried a Hub that could not be reached five times, 1 + 2 + 4 + 8 + 8 s,
     before `datasets` gave up: the one line saying so came after about 24 s. Found unreachable
     by one connection, `datasets` is sent offline and fails at once, without a retry."""
@@ -387,14 +410,14 @@ def test_an_unreachable_hub_is_explained_at_once(tmp_path, hub_on_this_machine, 
     )
     with pytest.raises(ValueError, match=r"unreachable \(offline\); use local files instead"):
         module.prepare_data()
-    assert not retries(caplog)  # the ~24 s of waiting were those retries' sleeps
+    assert not retries()  # the ~24 s of waiting were those retries' sleeps
     assert not datasets.config.HF_HUB_OFFLINE  # offline only for that load
     assert not huggingface_hub.constants.HF_HUB_OFFLINE
 
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_cached_hub_dataset_loads_with_the_hub_unreachable(
-    tmp_path, monkeypatch, hub_on_this_machine, refusing, caplog, streaming
+    tmp_path, monkeypatch, hub_on_this_machine, refusing, retries, streaming
 ):
     """A Hub dataset that `datasets` has cached loads from its cache when the Hub cannot be
     reached (`datasets` takes its latest cached version), as it did after the retries, and now
@@ -410,7 +433,7 @@ def test_a_cached_hub_dataset_loads_with_the_hub_unreachable(
     assert from_cache.cache_entry != from_folder.cache_entry  # read again, not reused
     for split in ("train", "val"):
         assert split_text(from_cache, split) == split_text(from_folder, split)
-    assert not retries(caplog)
+    assert not retries()
 
 
 def test_a_hub_directory_loads_without_connecting(tmp_path, hub_on_this_machine, listening):
@@ -425,7 +448,7 @@ def test_a_hub_directory_loads_without_connecting(tmp_path, hub_on_this_machine,
 
 
 def test_the_hub_is_reachable_through_a_proxy(
-    monkeypatch, hub_on_this_machine, refusing, listening
+    monkeypatch, hub_on_this_machine, refusing, listening, stalled
 ):
     """The Hub counts as unreachable only when no route to it answers: through the proxy the
     environment names for its scheme (huggingface_hub's client takes it), or straight."""
@@ -436,6 +459,8 @@ def test_the_hub_is_reachable_through_a_proxy(
     assert hub_reachable(endpoint)
     monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{refusing.getsockname()[1]}")
     assert not hub_reachable(endpoint)
+    # a route that does not answer in time is left to huggingface_hub's retries
+    assert hub_reachable(hub_on_this_machine(stalled), timeout=0.2)
 
 
 def test_a_given_tokenizer_is_reused_not_retrained(corpus, tmp_path, monkeypatch):
