@@ -141,19 +141,16 @@ JSON_SUFFIXES = (".jsonl", ".json")
 JSON_COLUMNS_BYTES = 10 << 20
 
 
-def json_lines_keys(
-    path: Path, wanted: Collection[str], limit: int | None = JSON_COLUMNS_BYTES
-) -> tuple[list[str], bool]:
+def json_lines_keys(path: Path, wanted: Collection[str]) -> tuple[list[str], bool]:
     """The keys of the rows of the JSON Lines file `path` that `datasets` finds its columns in
-    (those that start in its first JSON_COLUMNS_BYTES; limit=None: all rows), in the order met,
-    read only until every one of `wanted` is among them: where the first row holds them, no
-    further. And whether the whole file was read. Lines that are no JSON object are passed
-    over: reading names them."""
+    (those that start in its first JSON_COLUMNS_BYTES), in the order met, read only until every
+    one of `wanted` is among them: where the first row holds them, no further. And whether the
+    whole file was read. Lines that are no JSON object are passed over: reading names them."""
     keys: dict[str, None] = {}
     start = 0  # where the next line starts
     with open(path, "rb") as file:
         for line in file:
-            if limit is not None and start > limit:
+            if start > JSON_COLUMNS_BYTES:
                 return list(keys), False
             start += len(line)
             try:
@@ -210,24 +207,44 @@ def check_file_columns(
                     "all the first file's); give every file the same columns"
                 )
     for file, names, where in told:
+        late = first_met_late(file, [c for c in columns if c not in names])
         for column, key in columns.items():
-            if column not in names:
-                check_not_met_late(file, column, key, names)
+            if column in late:
+                raise ValueError(
+                    f"{key}={column!r} is first met in a row of {file} past its first "
+                    f"{JSON_COLUMNS_BYTES >> 20} MiB, where `datasets` has taken the columns of "
+                    f"JSON Lines to be {names} and refuses a row with another; give the rows "
+                    f"before it the key {column!r} too (null where they have none), or put a row "
+                    "that holds it first"
+                )
             check_column(names, column, where, key)
 
 
-def check_not_met_late(path: Path, column: str, key: str, names: list[str]) -> None:
-    """Where `column`, which `key` gave, is missing from the columns `names` that `datasets`
-    takes from a JSON Lines file's first JSON_COLUMNS_BYTES, but a row further on holds it: an
-    error saying so, as "set `key`" would be the wrong fix. The rest is read only on the way to
-    an error."""
-    if path.suffix.lower() in JSON_SUFFIXES and column in json_lines_keys(path, [column], None)[0]:
-        raise ValueError(
-            f"{key}={column!r} is first met in a row of {path} past its first "
-            f"{JSON_COLUMNS_BYTES >> 20} MiB, where `datasets` has taken the columns of JSON "
-            f"Lines to be {names} and refuses a row with another; give the rows before it the "
-            f"key {column!r} too (null where they have none), or put a row that holds it first"
-        )
+def first_met_late(path: Path, columns: Collection[str]) -> set[str]:
+    """Those of `columns` that are keys of a row of the JSON Lines file `path` starting past the
+    first JSON_COLUMNS_BYTES, where `datasets` took its columns from (json_lines_keys): a column
+    missing there is then the file's fault, not the option's. Read only on the way to an error,
+    and fast, as a typo in an option takes this way too: a row is parsed only if its bytes hold
+    a column's name in quotes."""
+    if not columns or path.suffix.lower() not in JSON_SUFFIXES:
+        return set()
+    quoted = {json.dumps(column, ensure_ascii=False).encode(): column for column in columns}
+    met = set()
+    with open(path, "rb") as file:
+        file.seek(JSON_COLUMNS_BYTES)
+        file.readline()  # the rest of a row that starts within the first bytes
+        for line in file:
+            if not any(name in line for name in quoted):
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:  # not JSON, or not UTF-8: reading names it
+                continue
+            if isinstance(row, dict):
+                met |= {column for column in quoted.values() if column in row}
+                if len(met) == len(quoted):
+                    break
+    return met
 
 
 def with_text_column(ds, column: str, where: str):
