@@ -179,14 +179,15 @@ class BPETokenizer(SpecialTokens):
         self._tokenizer = tokenizer
         # Text that spells a special's name ("<eos>" in a document or a prompt) is encoded as
         # that text, as CharTokenizer does, not as the special: a corpus can't end documents or
-        # pad on its own. The library's switch is not saved in its file, so it is set here.
+        # pad on its own. The library's switch is not saved in its file, so it is set here (on
+        # the tokenizer given, which every caller made for this one).
         tokenizer.encode_special_tokens = True
         self.specials = list(specials)
 
     def __reduce__(self) -> tuple:
         # Pickled (for datasets' worker processes, data.num_proc) by way of __init__, which sets
         # the switch above: the library pickles its tokenizer as its file, without the switch.
-        return BPETokenizer.from_dict, (self.to_dict(),)
+        return type(self).from_dict, (self.to_dict(),)
 
     @classmethod
     def train(

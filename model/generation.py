@@ -78,8 +78,8 @@ def next_token(
     if greedy:
         return logits.argmax(dim=-1)
     # Shifted so that the best logits are 0 and stay 0: a temperature too small for float32
-    # (1e-40, or 1e-50, which it reads as 0) then leaves 0 and -inf, a softmax over the best
-    # tokens, where the plain quotient gives inf - inf and 0 / 0, both NaN.
+    # (1e-40, or 1e-50, which it reads as 0) then leaves 0 for the best and -inf for the rest,
+    # where the plain quotient gives inf - inf and 0 / 0, both NaN.
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     scaled = torch.where(shifted == 0, shifted, shifted / temperature)
     probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
