@@ -91,6 +91,43 @@ def datasets_cache_for(files: Sequence[Path], cache_dir: str | os.PathLike) -> s
     return str(Path(cache_dir) / "hf" / "files" / digest)
 
 
+def load_local(
+    builder: str,
+    files: Sequence[Path],
+    cache_dir: str,
+    streaming: bool = False,
+    **options: object,
+) -> "datasets.Dataset | datasets.IterableDataset":
+    """The train split of `datasets.load_dataset(builder, data_files=files)`: the files on this
+    machine read by the packaged builder `builder` ("text", "json", ...), `datasets`' copy of
+    them kept in `cache_dir`, with no request to the network.
+
+    For a packaged builder, every load_dataset call first sends a HEAD request to S3 that
+    counts a download of it (datasets.load.increase_load_count), and waits for it, unless
+    HF_HUB_OFFLINE is set: a round trip online; offline, as long as the DNS takes to fail,
+    which now and then is the resolver's whole 5 s timeout. load_text_files reads each file in
+    a call of its own, so that was paid per file, streamed or not: 0.1-0.2 s a file on average
+    (bench/many_files.py). Nothing is downloaded here, so there is nothing to count; no
+    argument of load_dataset turns it off, but its switch,
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, is read at each call: it is off for this one
+    and set back after."""
+    import datasets
+
+    counting = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        return datasets.load_dataset(
+            builder,
+            data_files=[str(f) for f in files],
+            split="train",
+            streaming=streaming,
+            cache_dir=cache_dir,
+            **options,
+        )
+    finally:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
+
+
 def check_column(names: Collection[str], column: str, where: str, key: str) -> None:
     """`column` is one of `names`, the columns of `where`; else an error naming `key`, the
     option that gave it."""
@@ -315,17 +352,8 @@ def read_files(
     "parquet"), its train split. A file it cannot read is a one-line error naming the file,
     what is wrong (which line, where the format tells it) and what to check, after `key`, the
     option that gave the files, where `datasets` raised a traceback that names neither."""
-    import datasets
-
     with naming_unreadable_files(builder, files, cache_dir, key):
-        ds = datasets.load_dataset(
-            builder,
-            data_files=[str(f) for f in files],
-            split="train",
-            streaming=streaming,
-            cache_dir=datasets_cache_for(files, cache_dir),
-            **options,
-        )
+        ds = load_local(builder, files, datasets_cache_for(files, cache_dir), streaming, **options)
         if not streaming:  # a stream decodes its rows as it reads them
             check_strings([ds])
         return ds
@@ -412,8 +440,6 @@ def _unreadable(builder: str, files: Sequence[Path], cache_dir: Path, error: Exc
     until one fails: the error does not say which file it comes from. Where none fails alone,
     they fail as one dataset: their columns disagree in a way their first rows did not tell
     (check_file_columns)."""
-    import datasets
-
     if builder == "json":
         for file in files:
             if problem := json_lines_problem(file):
@@ -421,13 +447,7 @@ def _unreadable(builder: str, files: Sequence[Path], cache_dir: Path, error: Exc
     if len(files) > 1:
         for file in files:
             try:
-                for _ in datasets.load_dataset(
-                    builder,
-                    data_files=[str(file)],
-                    split="train",
-                    streaming=True,
-                    cache_dir=datasets_cache_for([file], cache_dir),
-                ):
+                for _ in load_local(builder, [file], datasets_cache_for([file], cache_dir), True):
                     pass
             except _read_faults() as file_error:
                 return f"cannot read {file} ({_one_line(file_error)}); {READ_FIXES[builder]}"

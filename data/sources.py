@@ -20,6 +20,7 @@ from data.local_files import (
     check_column,
     check_file_columns,
     check_strings,
+    load_local,
     naming_unreadable_files,
     naming_unreadable_stream,
     with_text_column,
@@ -105,8 +106,6 @@ def shakespeare_files() -> list[Path]:
 
 def load_shakespeare(cache_dir: Path) -> "datasets.Dataset":
     """All plays as a `datasets.Dataset`, one row per play (columns `name`, `text`)."""
-    import datasets
-
     text_dir = Path(cache_dir) / "shakespeare_text"
     text_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -118,13 +117,7 @@ def load_shakespeare(cache_dir: Path) -> "datasets.Dataset":
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             write_text_atomic(path, text)
         paths.append(path)
-    ds = datasets.load_dataset(
-        "text",
-        data_files=[str(p) for p in paths],
-        sample_by="document",
-        split="train",
-        cache_dir=str(Path(cache_dir) / "hf"),
-    )
+    ds = load_local("text", paths, str(Path(cache_dir) / "hf"), sample_by="document")
     return ds.add_column("name", [p.stem for p in paths])
 
 

@@ -107,6 +107,30 @@ def test_val_paths_errors_name_the_key(corpus, tmp_path):
         prepared(**options, val_paths=[str(unknown)])
 
 
+@pytest.mark.parametrize("source", ["text_files", "text_files streamed", "shakespeare"])
+def test_local_files_are_read_without_a_network_request(corpus, tmp_path, monkeypatch, source):
+    """`datasets` counts a download of its packaged builders (text, json) with a request to S3
+    at each load_dataset call, and text files are read one call a file: a corpus of 200 small
+    files waited half a minute on it, as long as the DNS took to fail offline. Files on this
+    machine are read with no request, and the switch that `datasets` reads is set back after."""
+    hosts = []
+
+    def no_network(host, *args, **kwargs):
+        hosts.append(host)
+        raise OSError("this test has no network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    # as `datasets` has them where HF_HUB_OFFLINE and HF_UPDATE_DOWNLOAD_COUNTS are unset
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    options = dict(source=source.split()[0], streaming=source.endswith("streamed"))
+    if options["source"] == "text_files":
+        options |= dict(paths=[str(corpus)], text_column="body")
+    assert prepared(cache_dir=tmp_path, **options).tokenizer.vocab_size > 0
+    assert hosts == []
+    assert datasets.config.HF_UPDATE_DOWNLOAD_COUNTS is True
+
+
 def test_text_files_globs_and_edits_make_a_new_entry(corpus, tmp_path):
     options = dict(source="text_files", paths=[str(corpus / "*.txt")], cache_dir=tmp_path)
     first = prepared(**options).cache_entry
