@@ -314,21 +314,40 @@ def load_text_files(
     option that named the files, for the messages."""
     import datasets
 
-    parts = []  # (builder, the file's documents, [file]), as naming_unreadable_stream takes
-    for f in files:
-        builder = TEXT_BUILDERS[f.suffix.lower()]  # expand_paths took no other
-        if is_blank(f):
-            continue  # an empty file holds no document (and `datasets` cannot type its rows)
+    # an empty file holds no document (and `datasets` cannot type its rows)
+    parts = []  # (builder, the files' documents, the files), as naming_unreadable_stream takes
+    for builder, read in _reads([f for f in files if not is_blank(f)]):
         options = {"sample_by": "paragraph"} if builder == "text" else {}
-        ds = read_files(builder, [f], cache_dir, key, streaming, **options)
-        text = with_text_column(ds, "text" if builder == "text" else text_column, str(f))
-        parts.append((builder, text, [f]))
+        ds = read_files(builder, read, cache_dir, key, streaming, **options)
+        where = ", ".join(map(str, read))
+        text = with_text_column(ds, "text" if builder == "text" else text_column, where)
+        parts.append((builder, text, read))
     if not parts:
         shown = ", ".join(str(f) for f in files)
         raise ValueError(f"{key}: every file is empty ({shown}); point it at some text")
     if streaming:
         return naming_unreadable_stream(parts, cache_dir, key)
     return datasets.concatenate_datasets([text for _, text, _ in parts])
+
+
+def _reads(files: Sequence[Path]) -> list[tuple[str, list[Path]]]:
+    """`files` in the reads that load_text_files makes of them, in order, each with its
+    `datasets` builder: text files that follow one another in one read, a JSON Lines file alone.
+
+    Each read costs `datasets` a builder, and one made whole an Arrow file of its own: about
+    10 ms, which a corpus of one small file per document paid for each. The text builder
+    splits every file of a read into paragraphs on its own, and gives all the one column
+    "text", so text files read together give the documents that they give read one by one.
+    The files of one JSON read would all take the columns of the first (a key that another
+    file has more fails the read), so each is read alone, and its columns are its own."""
+    reads: list[tuple[str, list[Path]]] = []
+    for f in files:
+        builder = TEXT_BUILDERS[f.suffix.lower()]  # expand_paths took no other
+        if builder == "text" and reads and reads[-1][0] == "text":
+            reads[-1][1].append(f)
+        else:
+            reads.append((builder, [f]))
+    return reads
 
 
 # What to check in a file that a `datasets` builder cannot read

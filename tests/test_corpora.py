@@ -295,6 +295,36 @@ def test_a_jsonl_file_whose_rows_lack_the_text_column_is_refused_before_it_is_re
         read_files("json", [late], tmp_path / "cache", "data.paths")
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_text_files_read_together_give_the_documents_of_each_read_alone(tmp_path, streaming):
+    """Text files that follow one another are read in one `datasets` read, not one a file: each
+    still ends its own last paragraph, an empty one holds none, and .jsonl files between them
+    are each read alone, so that their columns may differ."""
+    files = {
+        "1.txt": "one\n\ntwo",  # no line break after its last paragraph
+        "2.md": "three\n\n\n\nfour\n",
+        "3.txt": " \n",
+        "4.txt": "five",
+        "5.jsonl": '{"text": "six"}\n',
+        "6.jsonl": '{"text": "seven", "id": 7}\n',  # a column more than 5.jsonl
+        "7.txt": "eight\n\nnine\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    paths = [tmp_path / name for name in files]
+    cache = tmp_path / "cache"
+
+    def documents(paths: list[Path]) -> list[str]:
+        return [row["text"] for row in load_text_files(paths, "text", cache, streaming)]
+
+    together = documents(paths)
+    assert [text.strip("\n") for text in together] == [
+        "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"
+    ]  # fmt: skip
+    alone = [text for path in paths if path.name != "3.txt" for text in documents([path])]
+    assert together == alone
+
+
 def test_a_file_is_told_empty_from_its_first_bytes_not_read_whole(tmp_path, monkeypatch):
     """Empty is nothing but ASCII whitespace, as ever; a file of text says it is not in its first
     bytes, so a large one is no longer read into memory whole only to be told apart."""
