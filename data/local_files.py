@@ -105,10 +105,10 @@ def load_local(
     For a packaged builder, every load_dataset call first sends a HEAD request to S3 that
     counts a download of it (datasets.load.increase_load_count), and waits for it, unless
     HF_HUB_OFFLINE is set: a round trip online; offline, as long as the DNS takes to fail,
-    which now and then is the resolver's whole 5 s timeout. load_text_files reads each file in
-    a call of its own, so that was paid per file, streamed or not: 0.1-0.2 s a file on average
-    (bench/many_files.py). Nothing is downloaded here, so there is nothing to count; no
-    argument of load_dataset turns it off, but its switch,
+    which now and then is the resolver's whole 5 s timeout. load_text_files read each file in
+    a call of its own (a .jsonl file still is), so that was paid per file, streamed or not:
+    0.1-0.2 s a file on average (bench/many_files.py). Nothing is downloaded here, so there is
+    nothing to count; no argument of load_dataset turns it off, but its switch,
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, is read at each call: it is off for this one
     and set back after."""
     import datasets

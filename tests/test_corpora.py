@@ -110,9 +110,10 @@ def test_val_paths_errors_name_the_key(corpus, tmp_path):
 @pytest.mark.parametrize("source", ["text_files", "text_files streamed", "shakespeare"])
 def test_local_files_are_read_without_a_network_request(corpus, tmp_path, monkeypatch, source):
     """`datasets` counts a download of its packaged builders (text, json) with a request to S3
-    at each load_dataset call, and text files are read one call a file: a corpus of 200 small
-    files waited half a minute on it, as long as the DNS took to fail offline. Files on this
-    machine are read with no request, and the switch that `datasets` reads is set back after."""
+    at each load_dataset call, and text_files made one call a file (a .jsonl file's still is):
+    a corpus of 200 small files waited half a minute on it, as long as the DNS took to fail
+    offline. Files on this machine are read with no request, and the switch that `datasets`
+    reads is set back after."""
     hosts = []
 
     def no_network(host, *args, **kwargs):
