@@ -113,9 +113,7 @@ def load_local(
     and set back after."""
     import datasets
 
-    counting = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
-    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
-    try:
+    with library_switches(False, (datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS")):
         return datasets.load_dataset(
             builder,
             data_files=[str(f) for f in files],
@@ -124,8 +122,22 @@ def load_local(
             cache_dir=cache_dir,
             **options,
         )
+
+
+@contextmanager
+def library_switches(value: bool, *switches: tuple[object, str]) -> Iterator[None]:
+    """Each switch (module, name) of `switches` set to `value` within, and set back after: the
+    settings that `datasets` and huggingface_hub read from their modules at each call, which
+    no argument of theirs sets. They are the process's: no two loads run in threads at once
+    (the data is read in prepare_data alone)."""
+    saved = [getattr(module, name) for module, name in switches]
+    for module, name in switches:
+        setattr(module, name, value)
+    try:
+        yield
     finally:
-        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
+        for (module, name), before in zip(switches, saved, strict=True):
+            setattr(module, name, before)
 
 
 def check_column(names: Collection[str], column: str, where: str, key: str) -> None:

@@ -20,6 +20,7 @@ from data.local_files import (
     check_column,
     check_file_columns,
     check_strings,
+    library_switches,
     load_local,
     naming_unreadable_files,
     naming_unreadable_stream,
@@ -255,8 +256,7 @@ def _offline_unless_hub_reachable(name: str) -> Iterator[None]:
     that fallback (`datasets` knows its cache layout). `datasets`' flag sends it to the
     fallback; huggingface_hub's makes any request that would still be tried fail at once
     (OfflineModeIsEnabled, a ConnectionError) instead of being retried. Both are restored
-    afterwards, so a later load in this process asks the Hub again. They are the process's:
-    no two loads may run in threads at once (load_hub runs in prepare_data alone)."""
+    afterwards (library_switches), so a later load in this process asks the Hub again."""
     import datasets
     from huggingface_hub import constants
 
@@ -270,12 +270,8 @@ def _offline_unless_hub_reachable(name: str) -> Iterator[None]:
     ):
         yield
         return
-    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
-    try:
+    with library_switches(True, (datasets.config, "HF_HUB_OFFLINE"), (constants, "HF_HUB_OFFLINE")):
         yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 def hub_reachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT) -> bool:
