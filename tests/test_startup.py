@@ -3,11 +3,11 @@ leaves collection on with that heap frozen out of later ones (and out of the one
 starting W&B does not import W&B Launch unless Launch inputs may have been staged; and a W&B
 run started in the background has imported what logging its first attention map needs."""
 
-import os
 import subprocess
 import sys
+from pathlib import Path
 
-from helpers import ROOT
+from helpers import ROOT, clean_env
 from wandb_offline import config, run_info
 
 PROBE = """
@@ -50,26 +50,27 @@ print("wandb.sdk.launch" in sys.modules, len(published))
 """
 
 
-def wandb_probe(probe: str, *arguments: str) -> list[str]:
-    """The words a probe prints, run in a fresh interpreter with W&B offline and quiet."""
+def wandb_probe(probe: str, run_dir: Path, *arguments: str) -> list[str]:
+    """The words a probe prints, given `run_dir` and `arguments`, run in a fresh interpreter
+    with W&B offline and quiet, and none of the calling shell's W&B settings (clean_env)."""
     result = subprocess.run(
-        [sys.executable, "-c", probe, *arguments],
+        [sys.executable, "-c", probe, str(run_dir), *arguments],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        env=clean_env(run_dir / "cache", WANDB_MODE="offline"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.split()
 
 
 def test_a_wandb_run_starts_without_importing_wandb_launch(tmp_path):
-    assert wandb_probe(WANDB_PROBE, str(tmp_path), "none") == ["False", "0"]
+    assert wandb_probe(WANDB_PROBE, tmp_path, "none") == ["False", "0"]
 
 
 def test_staged_launch_inputs_still_reach_the_run(tmp_path):
-    assert wandb_probe(WANDB_PROBE, str(tmp_path), "stage") == ["True", "1"]
+    assert wandb_probe(WANDB_PROBE, tmp_path, "stage") == ["True", "1"]
 
 
 # An offline W&B run prepared to start in the background, read as Lightning's setup reads it,
@@ -98,7 +99,7 @@ print(type(stand_in).__name__, started, used, known)
 
 
 def start_in_background(tmp_path, run_id: str, release: str) -> list[str]:
-    return wandb_probe(BACKGROUND_PROBE, str(tmp_path), run_id, release)
+    return wandb_probe(BACKGROUND_PROBE, tmp_path, run_id, release)
 
 
 def test_a_run_started_in_the_background_gets_what_was_logged_before_it_was_up(tmp_path):
@@ -150,7 +151,7 @@ finish_wandb()
 
 def test_a_logger_starting_in_the_background_can_be_copied_to_another_process(tmp_path):
     # the copy names the run, started first, and has no starter of its own
-    assert wandb_probe(PICKLE_PROBE, str(tmp_path)) == ["True", "False"]
+    assert wandb_probe(PICKLE_PROBE, tmp_path) == ["True", "False"]
 
 
 # An offline run started in the background, then an attention map (a tiny PNG written by hand:
@@ -185,4 +186,4 @@ finish_wandb()
 
 def test_the_first_attention_map_logged_imports_nothing_on_the_training_thread(tmp_path):
     # W&B's first image imports pandas (half a second); the background start imports it first.
-    assert wandb_probe(IMAGE_PROBE, str(tmp_path)) == ["none"]
+    assert wandb_probe(IMAGE_PROBE, tmp_path) == ["none"]
