@@ -11,12 +11,11 @@ each checkout's median (min, max) over the processes, and the ratio this / other
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from runs import compare_checkouts
+from runs import compare_checkouts, measured_in_a_process
 
 NEW_TOKENS = 500
 
@@ -47,11 +46,6 @@ def cached_tokens_per_second(root: Path) -> float:
     return NEW_TOKENS / statistics.median(decode() for _ in range(3))
 
 
-def measured_in_a_process(root: Path) -> float:
-    command = [sys.executable, __file__, "--measure", str(root)]
-    return float(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--other", type=Path, help="another checkout's root")
@@ -63,7 +57,8 @@ def main() -> None:
         return
     if args.other is None:
         parser.error("--other is required")
-    compare_checkouts(measured_in_a_process, args.other, args.repeats, unit="tokens/s")
+    measure = measured_in_a_process(__file__)
+    compare_checkouts(measure, args.other, args.repeats, unit="tokens/s")
 
 
 if __name__ == "__main__":

@@ -13,14 +13,12 @@ this / other.
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
-from runs import compare_checkouts
+from runs import compare_checkouts, measured_in_a_process
 
 # A few KB of text a file, in paragraphs: the shape of a corpus of one document per file.
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "runs"]
@@ -73,11 +71,6 @@ def build_seconds(root: Path, files: int) -> dict[str, float]:
     return seconds
 
 
-def measured_in_a_process(root: Path, files: int) -> dict[str, float]:
-    command = [sys.executable, __file__, "--measure", str(root), "--files", str(files)]
-    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--other", type=Path, help="another checkout's root")
@@ -90,7 +83,7 @@ def main() -> None:
         return
     if args.other is None:
         parser.error("--other is required")
-    measure = partial(measured_in_a_process, files=args.files)
+    measure = measured_in_a_process(__file__, "--files", str(args.files))
     compare_checkouts(measure, args.other, args.repeats)
 
 

@@ -3,6 +3,7 @@ more sides alternately: shared by the benchmark scripts, which compare side by s
 invocation."""
 
 import csv
+import json
 import os
 import statistics
 import subprocess
@@ -66,6 +67,19 @@ def alternating_seconds(sides: dict, repeats: int, calls: int = 1) -> dict[objec
                 sides[side]()
             times[side].append((time.perf_counter() - start) / calls)
     return times
+
+
+def measured_in_a_process(script: str, *arguments: str) -> Callable[[Path], Any]:
+    """A `measure` for compare_checkouts that runs `python script --measure ROOT arguments...`
+    in a fresh process (each side imports its own checkout's code, and nothing stays warm from
+    the other side), and reads back the JSON it prints: one figure, or several by name."""
+
+    def measure(root: Path) -> Any:
+        command = [sys.executable, script, "--measure", str(root), *arguments]
+        run = subprocess.run(command, capture_output=True, text=True, check=True)
+        return json.loads(run.stdout)
+
+    return measure
 
 
 def compare_checkouts(
