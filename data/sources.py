@@ -277,17 +277,21 @@ def hub_reachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT) -> bool:
     """Whether the Hub at `endpoint` (a URL: HF_ENDPOINT, by default https://huggingface.co)
     may be reached: False only when its host's name does not resolve or every address of it
     refuses or has no route, and so does each proxy that the environment names for its scheme
-    (HTTPS_PROXY, ALL_PROXY, ...: huggingface_hub's httpx client goes through it; NO_PROXY is
-    not read, which errs on the side of reachable). Proxies are tried first (a proxied network
+    (HTTPS_PROXY, ALL_PROXY, ...: huggingface_hub's httpx client goes through it, unless
+    NO_PROXY names the host or a domain it is in). Proxies are tried first (a proxied network
     may not resolve the Hub's name). A route that gives no answer within `timeout` seconds an
     address counts as reachable: a slow or lossy network is left to huggingface_hub's retries,
     which may get through, rather than failing a download that would have worked. So does a
     URL that cannot be read, leaving the verdict to `datasets`."""
-    from urllib.request import getproxies  # already imported by `datasets` when called
+    # already imported by `datasets` when called
+    from urllib.request import getproxies, proxy_bypass_environment
 
     proxies = getproxies()
-    schemes = (urlsplit(endpoint).scheme, "all")
+    endpoint_url = urlsplit(endpoint)
+    schemes = (endpoint_url.scheme, "all")
     routes = [proxies[scheme] for scheme in schemes if proxies.get(scheme)]
+    if proxy_bypass_environment(endpoint_url.hostname or "", proxies):
+        routes = []  # straight to the host, as the client goes
     for route in [*routes, endpoint]:
         url = urlsplit(route if "://" in route else f"http://{route}")  # as httpx reads it
         try:

@@ -398,7 +398,7 @@ def hub_on_this_machine(monkeypatch):
     made a socket on 127.0.0.1, with no proxy in the way; it returns the endpoint. A socket
     bound but not listening refuses connections: a Hub that cannot be reached, at once and on
     any machine, online or not."""
-    for variable in ("http_proxy", "https_proxy", "all_proxy"):
+    for variable in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
         monkeypatch.delenv(variable, raising=False)
         monkeypatch.delenv(variable.upper(), raising=False)
 
@@ -516,6 +516,21 @@ def test_the_hub_is_reachable_through_a_proxy(
     assert not hub_reachable(endpoint)
     # a route that does not answer in time is left to huggingface_hub's retries
     assert hub_reachable(hub_on_this_machine(stalled), timeout=0.2)
+
+
+@pytest.mark.parametrize("no_proxy", ["127.0.0.1", "localhost, 127.0.0.1", "*"])
+def test_no_proxy_sends_the_hub_check_past_the_proxy(
+    monkeypatch, hub_on_this_machine, refusing, listening, no_proxy
+):
+    """A host that NO_PROXY names (or a domain it ends in) is reached straight, not through the
+    proxy: a proxy that answers says nothing about a Hub that refuses."""
+    endpoint = hub_on_this_machine(refusing)
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{listening.getsockname()[1]}")
+    assert hub_reachable(endpoint)
+    monkeypatch.setenv("no_proxy", no_proxy)
+    assert not hub_reachable(endpoint)
+    monkeypatch.setenv("no_proxy", "example.org")  # another host's exception
+    assert hub_reachable(endpoint)
 
 
 def test_a_given_tokenizer_is_reused_not_retrained(corpus, tmp_path, monkeypatch):
