@@ -164,6 +164,7 @@ def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
             c.hub_config,
             c.cache_dir,
             key="data.hub_name",
+            config_key="data.hub_config",
             local_fix=fix,
             splits={"train": "data.hub_name"},
             columns=c.columns,

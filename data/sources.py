@@ -197,13 +197,15 @@ def load_hub(
     cache_dir: Path,
     streaming: bool = False,
     key: str = "data.name",
+    config_key: str = "data.config",
     local_fix: str = "data=text_files 'data.paths=[corpus/*.txt]'",
     splits: dict[str, str] | None = None,
     columns: dict[str, str] | None = None,
 ) -> "HubSplits":
     """Every split of a Hugging Face Hub dataset, by name (a directory laid out as a Hub dataset
     repository, data/<split>-*.parquet, loads the same way); offline, an error that names the
-    config `key` and `local_fix`, the way to use local files instead.
+    config `key` (`config_key` for the dataset's config) and `local_fix`, the way to use local
+    files instead.
 
     `splits` and `columns` ({name: the option that asks for it}) are what the caller reads of
     it: checked before a row is read, where the dataset's metadata or its files' names tell, so
@@ -233,6 +235,23 @@ def load_hub(
             f"{key}: cannot download {title}: the Hugging Face Hub is unreachable (offline); use "
             f"local files instead: {local_fix}"
         ) from err
+    except ValueError as err:
+        # Offline, `datasets` falls back on its cache; one holding the dataset in other configs
+        # only says so in two lines, the second naming them ("Available configs in the
+        # cache: [...]"), with nothing of the option to change or of the Hub being unreachable.
+        if not str(err).startswith(CACHED_IN_OTHER_CONFIGS):
+            raise
+        cached = " ".join(str(err).splitlines()[1:]) or "other configs"
+        raise ValueError(
+            f"{key}: cannot download {title}: the Hugging Face Hub is unreachable (offline) and "
+            f"`datasets`' cache holds it in another config ({cached}); set {config_key} to one of "
+            f"those, or use local files instead: {local_fix}"
+        ) from err
+
+
+# The start of the error `datasets` raises offline when its cache has the dataset in other
+# configs only.
+CACHED_IN_OTHER_CONFIGS = "Couldn't find cache for"
 
 
 # How long each address of the Hub's host (or the proxy to it) is given to accept a TCP

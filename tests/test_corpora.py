@@ -491,6 +491,25 @@ def test_a_cached_hub_dataset_loads_with_the_hub_unreachable(
     assert not retries()
 
 
+def test_a_hub_dataset_cached_in_another_config_is_explained_in_one_line(
+    tmp_path, monkeypatch, hub_on_this_machine, refusing
+):
+    """Offline, with the dataset cached in another config only, the error names the option, the
+    unreachable Hub and the configs the cache holds, in one line (`datasets` says only the last,
+    in two lines)."""
+    hub_on_this_machine(refusing)
+    folder = write_hub_dataset(tmp_path / "stories", {"train": PARAGRAPHS * 3})
+    prepared(source="hub", name=str(folder), cache_dir=tmp_path)  # cached as config 'default'
+    monkeypatch.chdir(tmp_path / "stories" / "data")
+    with pytest.raises(ValueError) as raised:
+        prepared(source="hub", name="stories", config="other", cache_dir=tmp_path)
+    message = str(raised.value)
+    assert message.startswith("data.name: cannot download stories (other): the Hugging Face Hub")
+    assert "unreachable (offline)" in message and "'default'" in message
+    assert "set data.config to one of those" in message
+    assert "data=text_files" in message and "\n" not in message
+
+
 def test_a_hub_directory_loads_without_connecting(tmp_path, hub_on_this_machine, listening):
     """A directory laid out as a Hub dataset repository needs no network: the Hub is not even
     probed, so nothing connects to it."""
