@@ -85,8 +85,9 @@ def prepare_data(plan: Plan, datamodule: DataModule, world_size: int) -> None:
     training data fills a batch on each of the world_size processes and the end-of-run sample's
     prompt against it. Every rank prepares the data itself (one builds the cache entry, the
     others wait for it), so the vocabulary is the same everywhere."""
-    if plan.resume.saved_tokenizer is not None and isinstance(datamodule, LMDataModule):
-        datamodule.use_tokenizer(tokenizer_from_dict(plan.resume.saved_tokenizer))
+    given = plan.init.tokenizer if plan.init else plan.resume.saved_tokenizer
+    if given is not None and isinstance(datamodule, LMDataModule):
+        datamodule.use_tokenizer(tokenizer_from_dict(given))
     datamodule.prepare_data()
     datamodule.setup("fit")
     datamodule.check_batches(world_size)
@@ -97,8 +98,9 @@ def prepare_data(plan: Plan, datamodule: DataModule, world_size: int) -> None:
 
 
 def build_module(plan: Plan, tokenizer) -> L.LightningModule:
-    """The LightningModule; its hyper-parameters carry the resolved run config (with what a
-    later resume composes from) and the tokenizer, so a checkpoint needs nothing else."""
+    """The LightningModule, with init_from's weights if given; its hyper-parameters carry the
+    resolved run config (with what a later resume composes from) and the tokenizer, so a
+    checkpoint needs nothing else."""
     model = plan.model.for_tokenizer(tokenizer.vocab_size)
     plan.resume.check_data(tokenizer, model.vocab_size)
     run_config = OmegaConf.to_container(plan.cfg, resolve=True)
@@ -111,6 +113,8 @@ def build_module(plan: Plan, tokenizer) -> L.LightningModule:
         run_config=run_config,
         on_nonfinite=plan.cfg.on_nonfinite,
     )
+    if plan.init:
+        plan.init.load_into(module.model)
     if plan.cfg.compile:
         # in place: the state dict keeps its keys, checkpoints load as ever
         module.model.compile(mode=plan.cfg.compile_mode)

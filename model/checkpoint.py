@@ -159,13 +159,13 @@ def best_checkpoint(folder: Path) -> Path | None:
     return best if best.is_file() else newest
 
 
-def load_checkpoint(path: Path) -> tuple[GPT | EncoderDecoder, dict]:
+def load_checkpoint(path: Path, key: str = "ckpt") -> tuple[GPT | EncoderDecoder, dict]:
     """(model in eval mode, hyper_parameters) from a training checkpoint or an export directory
     (what find_checkpoint returns); the hyper-parameters hold the model's kind under "kind", its
     config under "model", the tokenizer's record under "tokenizer" and the run's config under
-    "run_config"."""
+    "run_config". `key` is the option that named it, for the messages."""
     if path.is_dir():
-        return load_export(path)
+        return load_export(path, key)
     checkpoint = load_safely(path)
     try:
         if not isinstance(checkpoint, dict):
@@ -177,21 +177,21 @@ def load_checkpoint(path: Path) -> tuple[GPT | EncoderDecoder, dict]:
     except (KeyError, TypeError) as error:
         raise ValueError(
             f"{path} is not a tinyformer checkpoint ({type(error).__name__}: {error}); point "
-            "ckpt= at a .ckpt written by train.py"
+            f"{key}= at a .ckpt written by train.py"
         ) from error
     try:
         model.load_state_dict(model_state(state))
     except RuntimeError as error:
         raise ValueError(
             f"{path} does not hold the weights of its own model config "
-            f"({weights_mismatch(error)}); point ckpt= at a checkpoint train.py wrote whole"
+            f"({weights_mismatch(error)}); point {key}= at a checkpoint train.py wrote whole"
         ) from None
     return model.eval(), hparams
 
 
-def export_record(folder: Path) -> dict:
+def export_record(folder: Path, key: str = "ckpt") -> dict:
     """The "tinyformer" entry of an export's config.json: format, kind, model, tokenizer,
-    run_config and exported_from."""
+    run_config and exported_from. `key` is the option that named it, for the message."""
     config_file = folder / EXPORT_CONFIG
     try:
         record = json.loads(config_file.read_text(encoding="utf-8"))["tinyformer"]
@@ -200,15 +200,15 @@ def export_record(folder: Path) -> dict:
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"{config_file} is not a tinyformer export's config ({type(error).__name__}: "
-            f"{error}); point ckpt= at a directory written by export.py"
+            f"{error}); point {key}= at a directory written by export.py"
         ) from None
     return record
 
 
-def load_export(folder: Path) -> tuple[GPT | EncoderDecoder, dict]:
+def load_export(folder: Path, key: str = "ckpt") -> tuple[GPT | EncoderDecoder, dict]:
     """(model in eval mode, its record) from an export directory; the record has the keys of a
     checkpoint's hyper-parameters that load_checkpoint names."""
-    record = export_record(folder)
+    record = export_record(folder, key)
     model = build_model(record["kind"], record["model"])
     weights_file = folder / EXPORT_WEIGHTS
     try:

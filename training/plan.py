@@ -16,6 +16,7 @@ from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
 from training.failures import instantiate_checked, target_of
 from training.guard import check_nonfinite_action
+from training.init_from import InitFrom, prepare_init
 from training.module import OptimConfig
 from training.resume import Resume, override_key, prepare_resume
 from training.sweep import in_sweep
@@ -59,6 +60,7 @@ class Plan:
     model: GPTConfig | EncDecConfig
     optim: OptimConfig
     sample: SamplingConfig
+    init: InitFrom | None = None  # init_from's weights and tokenizer, for a new run
 
     @property
     def cfg(self) -> DictConfig:
@@ -71,8 +73,10 @@ class Plan:
 
 def check_options(cfg: DictConfig) -> Plan:
     """Every option a user can get wrong, before any data loads; given ckpt_path, the config is
-    the checkpoint's run's under this command's overrides."""
-    resume = prepare_resume(cfg, HydraConfig.get().overrides.task, in_sweep())
+    the checkpoint's run's under this command's overrides, given init_from, this command's
+    under the model settings of the weights it starts from."""
+    given = HydraConfig.get().overrides.task
+    resume, init = prepare_init(prepare_resume(cfg, given, in_sweep()), given)
     cfg = resume.cfg
     check_seed("seed", cfg.seed)
     check(isinstance(cfg.compile, bool), "compile", "true or false", cfg.compile)
@@ -103,8 +107,9 @@ def check_options(cfg: DictConfig) -> Plan:
         optim=config_from(OptimConfig, cfg.optim, "optim.", "optim"),
         sample=end_of_run_sample(
             OmegaConf.to_container(cfg.sample, resolve=True),
-            {override_key(o) for o in HydraConfig.get().overrides.task},
+            {override_key(o) for o in given},
         ),
+        init=init,
     )
 
 

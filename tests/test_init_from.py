@@ -1,0 +1,86 @@
+"""init_from=: a new run that starts from a trained GPT's weights, model settings and tokenizer
+(fine-tuning), through the real command line. Its refusals are in test_bad_input.py."""
+
+import shutil
+
+import pytest
+import torch
+
+from helpers import run_training
+from model.checkpoint import find_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def saved(path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def test_a_run_starts_from_the_weights_it_is_given_and_resumes_without_them(
+    tmp_path, trained_run, shared_cache
+):
+    source = tmp_path / "source"
+    shutil.copytree(trained_run, source)
+    original = saved(find_checkpoint(source, "best", "init_from"))
+    text = tmp_path / "lines.txt"  # other text, in characters the source's tokenizer knows
+    text.write_text("\n\n".join(f"the king and the queen, line {i}." for i in range(400)))
+    run = tmp_path / "fine_tuned"
+    # An update of 1e-30 (times warm-up's 1/100) moves no weight of the source's size: the
+    # weights after the first step are those the run started from.
+    started = run_training(
+        shared_cache,
+        f"init_from={source}",
+        "data=text_files",
+        f"data.paths=[{text}]",
+        "data.batch_size=4",
+        "model.dropout=0.1",  # a setting that keeps the weights' shapes: this command's wins
+        "optim.lr=1e-30",
+        "trainer.max_steps=1",
+        "trainer.limit_val_batches=1",
+        "logger=none",
+        f"hydra.run.dir={run}",
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert f"init_from: starting from the weights and tokenizer of {source}" in started.stdout
+    first = saved(run / "checkpoints" / "last.ckpt")
+    assert first["global_step"] == 1
+    assert first["hyper_parameters"]["tokenizer"] == original["hyper_parameters"]["tokenizer"]
+    expected_model = {**original["hyper_parameters"]["model"], "dropout": 0.1}
+    assert first["hyper_parameters"]["model"] == expected_model
+    assert first["state_dict"].keys() == original["state_dict"].keys()
+    for key, value in original["state_dict"].items():
+        assert torch.equal(first["state_dict"][key], value), key
+
+    # Continued, the run composes its model from its own record, without the source.
+    shutil.rmtree(source)
+    resumed = run_training(shared_cache, f"ckpt_path={run}", "trainer.max_steps=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    second = saved(run / "checkpoints" / "last.ckpt")
+    assert second["global_step"] == 2
+    assert second["hyper_parameters"]["model"] == expected_model
+    assert second["hyper_parameters"]["tokenizer"] == original["hyper_parameters"]["tokenizer"]
+
+
+def test_a_run_starts_from_an_export(tmp_path, trained_run, shared_cache):
+    """An export directory (weights and settings, no training state) starts a run too, in
+    either format."""
+    from export import ExportOptions, export
+
+    for export_format in ("safetensors", "hf"):
+        folder = tmp_path / f"export_{export_format}"
+        export(ExportOptions(ckpt=str(trained_run), out=str(folder), format=export_format))
+        run = tmp_path / f"from_{export_format}"
+        result = run_training(
+            shared_cache,
+            f"init_from={folder}",
+            "optim.lr=1e-30",
+            "trainer.max_steps=1",
+            "trainer.limit_val_batches=1",
+            "logger=none",
+            f"hydra.run.dir={run}",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        weights = saved(run / "checkpoints" / "last.ckpt")["state_dict"]
+        original = saved(find_checkpoint(trained_run, "best", "ckpt"))["state_dict"]
+        for key, value in original.items():
+            assert torch.equal(weights[key], value), (export_format, key)

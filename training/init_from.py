@@ -1,0 +1,101 @@
+"""A new run that starts from a trained GPT's weights (`init_from=`): fine-tuning on other text,
+or training again under another schedule. Unlike ckpt_path, which continues a run with its
+optimizer, schedule, step and data position, only the weights, the model's shape and the
+tokenizer carry over.
+
+The model's settings become overrides of the new run (`++model.n_layer=4 ...`, before this
+command's own), so the run's config, recorded in its checkpoints, says what it trains, and a
+later resume of it composes the same model without reading the source again."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from hydra import compose
+from hydra.errors import ConfigCompositionException
+
+from kinds import kind_of
+from model.checkpoint import find_checkpoint, load_checkpoint, weights_mismatch
+from training.resume import Resume, flatten, override_key
+from training.summary import print_once
+
+
+@dataclass
+class InitFrom:
+    """The trained model a new run starts from: init_from's value, the file or export it names,
+    its tokenizer's record and its weights."""
+
+    given: str
+    path: Path
+    tokenizer: dict
+    weights: dict[str, torch.Tensor] = field(repr=False)
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Copy the weights into `model`, the run's own, built from the same settings unless an
+        override changed its shape."""
+        try:
+            model.load_state_dict(self.weights)
+        except RuntimeError as error:
+            raise ValueError(
+                f"init_from={self.given}: its weights do not fit this run's model "
+                f"({weights_mismatch(error)}); drop the model.* overrides that change the "
+                "model's shape or position scheme"
+            ) from None
+
+
+def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | None]:
+    """The run `resume` starts, composed again with init_from's model settings, and what it
+    starts from; (resume, None) without init_from, and for a run that continues (its checkpoint
+    holds the weights, its recorded overrides the model). `given`: this command's overrides."""
+    cfg = resume.cfg
+    source = cfg.get("init_from")
+    keys = {override_key(o) for o in given}
+    if source is None:
+        return resume, None
+    if resume.path is not None:
+        if "init_from" in keys:
+            raise ValueError(
+                f"init_from={source} starts a new run from a model's weights and "
+                f"ckpt_path={resume.path} continues a run: give one of them"
+            )
+        return resume, None
+    if cfg.data.get("tokenizer_file") is not None:
+        raise ValueError(
+            f"data.tokenizer_file={cfg.data.tokenizer_file}: init_from={source} brings its own "
+            "tokenizer, which its weights were trained with; drop data.tokenizer_file"
+        )
+    path = find_checkpoint(source, "best", "init_from")
+    model, hparams = load_checkpoint(path, "init_from")
+    if hparams.get("kind", "gpt") != "gpt" or kind_of(cfg.model).name != "gpt":
+        raise ValueError(
+            f"init_from={source} starts a GPT from a GPT's weights only (the encoder-decoder "
+            "builds its tokenizer from its data); give a GPT run, and drop model=encdec"
+        )
+    settings = [
+        f"++model.{name}={override_value(value)}"
+        for name, value in flatten(hparams["model"]).items()
+        if f"model.{name}" not in keys  # this command's own model.* overrides win
+    ]
+    overrides = [*settings, *resume.overrides]
+    try:
+        cfg = compose("train", overrides=overrides)
+    except ConfigCompositionException as error:
+        raise ValueError(
+            f"init_from={source}: its model settings do not compose with this command's "
+            f"overrides ({' '.join(str(error).split())})"
+        ) from None
+    print_once(f"init_from: starting from the weights and tokenizer of {path}")
+    init = InitFrom(str(source), path, hparams["tokenizer"], model.state_dict())
+    return Resume(cfg, overrides), init
+
+
+def override_value(value: object) -> str:
+    """`value` as Hydra's override grammar reads it back: null, true/false, a number, or a
+    quoted string (a position name, a scale such as 1/sqrt_dk)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return repr(value)
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
