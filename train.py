@@ -85,9 +85,11 @@ def prepare_data(plan: Plan, datamodule: DataModule, world_size: int) -> None:
     training data fills a batch on each of the world_size processes and the end-of-run sample's
     prompt against it. Every rank prepares the data itself (one builds the cache entry, the
     others wait for it), so the vocabulary is the same everywhere."""
-    given = plan.init.tokenizer if plan.init else plan.resume.saved_tokenizer
-    if given is not None and isinstance(datamodule, LMDataModule):
-        datamodule.use_tokenizer(tokenizer_from_dict(given))
+    if isinstance(datamodule, LMDataModule) and plan.init:
+        datamodule.use_tokenizer(tokenizer_from_dict(plan.init.tokenizer), plan.init.option)
+    elif isinstance(datamodule, LMDataModule) and plan.resume.saved_tokenizer is not None:
+        given_by = f"ckpt_path={plan.resume.path}"
+        datamodule.use_tokenizer(tokenizer_from_dict(plan.resume.saved_tokenizer), given_by)
     datamodule.prepare_data()
     datamodule.setup("fit")
     datamodule.check_batches(world_size)

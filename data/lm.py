@@ -116,13 +116,17 @@ class LMDataModule(CachedDataModule):
             )
         self.keep_config(config_from(LMDataConfig, options, "data.", "a GPT's data"))
         self._given_tokenizer = None
+        self._given_by = ""
         if self.config.tokenizer_file is not None:
-            self.use_tokenizer(load_tokenizer(self.config.tokenizer_file))
+            tokenizer = load_tokenizer(self.config.tokenizer_file)
+            self.use_tokenizer(tokenizer, f"data.tokenizer_file={self.config.tokenizer_file}")
 
-    def use_tokenizer(self, tokenizer: CharTokenizer | BPETokenizer) -> None:
-        """Encode the corpus with `tokenizer` (a resumed run's, or data.tokenizer_file's) rather
+    def use_tokenizer(self, tokenizer: CharTokenizer | BPETokenizer, given_by: str) -> None:
+        """Encode the corpus with `tokenizer` (a resumed run's, init_from's or
+        data.tokenizer_file's: `given_by`, the option that gave it, for the messages) rather
         than training one, so token ids keep their meaning."""
         self._given_tokenizer = tokenizer
+        self._given_by = given_by
         self.__dict__.pop("cache_entry", None)
 
     def _source_key(self) -> object:
@@ -255,12 +259,34 @@ class LMDataModule(CachedDataModule):
             chars.update(text)
         return CharTokenizer(sorted(chars))
 
+    def _check_given_chars(self, corpus) -> None:
+        """A given char tokenizer has no id for the characters it was not trained on: in the
+        training text they are refused, all named at once, with the option that gave the
+        tokenizer (one trained on the text knows them all; validation drops them)."""
+        if not isinstance(self._given_tokenizer, CharTokenizer):
+            return  # a byte-level BPE encodes any text
+        known, unknown = set(self._given_tokenizer.chars), set()
+        for text in _texts(corpus, "train"):
+            unknown.update(set(text) - known)
+        if unknown:
+            shown = ", ".join(repr(c) for c in sorted(unknown)[:10])
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            raise ValueError(
+                f"{self._given_by}: its char tokenizer has no id for {len(unknown)} character(s) "
+                f"of the training text: {shown}{more}; remove them from the text, or let a run "
+                "without that tokenizer train one on it"
+            )
+
     def _build(self, out: Path) -> None:
         c = self.config
         if c.source == "text_files":
             self._check_files_hold_blocks()
         corpus, carved = self._corpus()
-        tokenizer = self._given_tokenizer or self._train_tokenizer(corpus)
+        if self._given_tokenizer is None:
+            tokenizer = self._train_tokenizer(corpus)
+        else:
+            tokenizer = self._given_tokenizer
+            self._check_given_chars(corpus)
         encode = partial(_encode_rows, tokenizer=tokenizer)
         encoded = self._map(
             corpus, encode, "encode", remove_columns=["train", "val"], features=_encoded_features()

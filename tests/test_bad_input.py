@@ -211,6 +211,16 @@ CASES = [
     ("init_from_with_a_tokenizer_file", "train.py",
      ["init_from={run}", "data.tokenizer_file={run}/tokenizer.json"],
      "error: data.tokenizer_file={run}/tokenizer.json: init_from={run} brings its own tokenizer"),
+    # a given char tokenizer lacks characters of the training text: all named, and who gave it
+    ("init_from_text_in_other_characters", "train.py",
+     ["init_from={run}", "data=text_files", "data.paths=[{tmp}/other_characters.txt]"],
+     "error: init_from={run}: its char tokenizer has no id for 3 character(s) of the training "
+     "text: '{{', '}}', '☃'; remove them from the text, or let a run without that tokenizer "
+     "train one on it"),
+    ("tokenizer_file_for_text_in_other_characters", "train.py",
+     ["data.tokenizer_file={run}/tokenizer.json", "data=text_files",
+      "data.paths=[{tmp}/other_characters.txt]"],
+     "error: data.tokenizer_file={run}/tokenizer.json: its char tokenizer has no id for 3 "),
     ("init_from_into_an_encdec", "train.py",
      ["init_from={run}", "model=encdec", "data=shakespeare_denoise"],
      "error: init_from={run} starts a GPT from a GPT's weights only"),
@@ -389,6 +399,10 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     torch.save(checkpoint, tmp / "missing_weight.ckpt")
     (tmp / "prompt.txt").write_text("ROMEO:")
     (tmp / "lines.txt").write_text("\n\n".join(f"line {i}" for i in range(300)))
+    other = [f"line {i}" for i in range(300)]
+    other[3] += " {braced}"  # characters Shakespeare's text lacks, in two paragraphs
+    other[200] += " \u2603"
+    (tmp / "other_characters.txt").write_text("\n\n".join(other))
     (tmp / "table.csv").write_text("a,b\n1,2\n")
     (tmp / "rows.jsonl").write_text("".join(f'{{"body": "row {i}"}}\n' for i in range(300)))
     pair = '{"source": "a b", "target": "b a"}\n'

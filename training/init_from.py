@@ -30,6 +30,10 @@ class InitFrom:
     tokenizer: dict
     weights: dict[str, torch.Tensor] = field(repr=False)
 
+    @property
+    def option(self) -> str:
+        return f"init_from={self.given}"
+
     def load_into(self, model: torch.nn.Module) -> None:
         """Copy the weights into `model`, the run's own, built from the same settings unless an
         override changed its shape."""
@@ -37,7 +41,7 @@ class InitFrom:
             model.load_state_dict(self.weights)
         except RuntimeError as error:
             raise ValueError(
-                f"init_from={self.given}: its weights do not fit this run's model "
+                f"{self.option}: its weights do not fit this run's model "
                 f"({weights_mismatch(error)}); drop the model.* overrides that change the "
                 "model's shape or position scheme"
             ) from None
