@@ -296,10 +296,22 @@ def first_met_late(path: Path, columns: Collection[str]) -> set[str]:
     return met
 
 
+# The `datasets` types of a text column: strings, or nulls only (rows that hold no document)
+TEXT_DTYPES = ("string", "large_string", "null")
+
+
 def with_text_column(ds, column: str, where: str):
-    """`ds` reduced to one string column named "text"."""
+    """`ds` reduced to one string column named "text". A column of another type (numbers, lists
+    of words, JSON values of mixed types) is refused in one line, where it failed in a traceback
+    as its bytes were counted or its rows tokenized."""
     if ds.column_names is not None:  # a stream may not know them
         check_column(ds.column_names, column, where, "data.text_column")
+    feature = ds.features.get(column) if ds.features is not None else None
+    if feature is not None and getattr(feature, "dtype", None) not in TEXT_DTYPES:
+        raise ValueError(
+            f"data.text_column={column!r} of {where} holds {feature}, not text; set "
+            "data.text_column to a column of strings, or make every value of it a string"
+        )
     ds = ds.select_columns([column])
     return ds if column == "text" else ds.rename_column(column, "text")
 

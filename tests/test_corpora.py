@@ -297,6 +297,34 @@ def test_a_jsonl_file_whose_rows_lack_the_text_column_is_refused_before_it_is_re
 
 
 @pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize(
+    ("values", "held"),
+    [
+        ([1000 * i for i in range(40)], "Value('int64')"),
+        ([p.split() for p in PARAGRAPHS], "List(Value('string'))"),
+        ([p if i % 2 else i for i, p in enumerate(PARAGRAPHS)], "Json(decode=True)"),
+    ],
+    ids=["numbers", "lists_of_words", "mixed"],
+)
+def test_a_text_column_that_is_not_text_is_refused_in_one_line(tmp_path, streaming, values, held):
+    """A column of numbers, of lists or of JSON values of several types is no text: refused
+    naming the column, its type and the file or dataset (it failed in a traceback as its bytes
+    were counted, or as a stream's rows were split)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": value}) + "\n" for value in values))
+    message = (
+        f"data.text_column='text' of {rows} holds {held}, not text; set data.text_column to a "
+        "column of strings, or make every value of it a string"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        prepared(source="text_files", paths=[str(rows)], cache_dir=tmp_path, streaming=streaming)
+    folder = write_hub_dataset(tmp_path / "hub", {"train": list(range(40))})
+    message = rf"^data.text_column='text' of the Hub dataset {re.escape(str(folder))} holds Value"
+    with pytest.raises(ValueError, match=message):
+        prepared(source="hub", name=str(folder), cache_dir=tmp_path, streaming=streaming)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
 def test_text_files_read_together_give_the_documents_of_each_read_alone(tmp_path, streaming):
     """Text files that follow one another are read in one `datasets` read, not one a file: each
     still ends its own last paragraph, an empty one holds none, and .jsonl files between them
