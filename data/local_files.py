@@ -26,10 +26,10 @@ def expand_paths(
     patterns: Sequence[str], suffixes: Sequence[str], key: str = "data.paths"
 ) -> list[Path]:
     """The files named by `patterns` (files, globs, or folders searched recursively for files
-    ending in `suffixes`), each glob's and folder's matches sorted, in order, made absolute.
-    `key` is the option that gave them, for the messages. A file that ends in none of `suffixes`
-    is an error here, with the config's checks, rather than once the files before it have been
-    read (under `datasets`' progress bars)."""
+    ending in `suffixes`), each glob's and folder's matches sorted, in order, made absolute,
+    each once, where it is first named. `key` is the option that gave them, for the messages.
+    A file that ends in none of `suffixes` is an error here, with the config's checks, rather
+    than once the files before it have been read (under `datasets`' progress bars)."""
     if isinstance(patterns, str) or not patterns:
         raise ValueError(
             f"{key} must be a non-empty list of files, globs or folders, got {patterns!r}; "
@@ -58,7 +58,10 @@ def expand_paths(
         if f.suffix.lower() not in suffixes:
             known = ", ".join(suffixes)
             raise ValueError(f"{key}: {f} has an unsupported extension; use one of {known}")
-    return [f.resolve() for f in files]
+    # A file named twice (a folder and a glob inside it, two globs that overlap, a link to it)
+    # is read once: read twice, its documents would train twice, and a document that one copy
+    # gives to validation another would train on.
+    return list(dict.fromkeys(f.resolve() for f in files))
 
 
 def path_list(value: object) -> list:

@@ -67,6 +67,29 @@ def test_text_files_folder_documents_and_split(corpus, tmp_path):
     assert [Path(f).name for f, *_ in meta["key"]["files"]] == ["a.txt", "b.md", "c.jsonl"]
 
 
+def test_a_file_named_twice_is_read_once(corpus, tmp_path):
+    """A folder and a glob inside it, or a link to a file of it, name its files twice: each is
+    read once, where first named (read twice, its documents trained twice, and a document that
+    one copy gave to validation the other trained on)."""
+    (tmp_path / "link.txt").symlink_to(corpus / "a.txt")
+    once = prepared(
+        source="text_files", paths=[str(corpus)], text_column="body", cache_dir=tmp_path / "once"
+    )
+    twice = prepared(
+        source="text_files",
+        paths=[
+            str(corpus),
+            str(corpus / "*.txt"),
+            str(corpus / "**" / "*.md"),
+            str(tmp_path / "link.txt"),
+        ],
+        text_column="body",
+        cache_dir=tmp_path / "twice",
+    )
+    for split in ("train", "val"):
+        assert split_text(twice, split) == split_text(once, split)
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_val_paths_name_the_validation_text(corpus, tmp_path, streaming):
     """data.paths is then all training text and data.val_paths all validation text, whole: a
