@@ -173,7 +173,9 @@ def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
     else:
         files = expand_paths(c.paths, list(FILE_FORMATS))
         name = ", ".join(str(f) for f in files)
-        ds = read_files(file_format(files), files, Path(c.cache_dir), "data.paths")
+        builder = file_format(files)
+        options = csv_text_options(c.columns) if builder == "csv" else {}
+        ds = read_files(builder, files, Path(c.cache_dir), "data.paths", **options)
     for column, key in c.columns.items():
         check_column(ds.column_names, column, name, key)
     rows = [
@@ -182,6 +184,17 @@ def load_pair_texts(c: "Seq2SeqDataConfig") -> tuple[list[str], list[str]]:
         if s is not None and t is not None
     ]
     return [s for s, _ in rows], [t for _, t in rows]
+
+
+def csv_text_options(columns: Sequence[str]) -> dict[str, object]:
+    """The `datasets` CSV builder's options that read `columns` as the text of their cells: left
+    to pandas, a column of numbers is read as numbers ("007" as 7, and as 7.0 once a cell of it
+    is empty) and "NA", "None", "null" and the like as missing values, so their rows were lost.
+    Only an empty cell is missing, as a JSON row without the key is."""
+    import datasets
+
+    strings = datasets.Features({column: datasets.Value("string") for column in columns})
+    return {"features": strings, "keep_default_na": False, "na_values": [""]}
 
 
 def split_rows(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -29,7 +29,8 @@ from data.tokenizer import CharTokenizer, token_dtype
 from errors import config_from, is_int
 
 # Bump whenever the cache entry's contents change meaning (passages, corruption, file layout).
-FORMAT_VERSION = 1
+# 2: a CSV file's cells are read as text.
+FORMAT_VERSION = 2
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<mask>")
 
 

@@ -227,6 +227,17 @@ def test_pairs_from_local_files(name, columns, pair_files, cache_dir):
     assert batch["source"].shape[0] == 4
 
 
+def test_the_cells_of_a_csv_file_are_read_as_text(tmp_path, cache_dir):
+    """pandas reads a column of numbers as numbers ("007" as 7.0 where a cell of it is empty)
+    and "NA", "None" or "null" as missing: pairs are text, and only an empty cell is missing."""
+    rows = [(f"{i:03d}", str(2 * i)) for i in range(36)] + [("NA", "None"), ("null", "nan")]
+    with open(tmp_path / "numbers.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("source", "target"), *rows, ("7", ""), ("", "8")])
+    path = str(tmp_path / "numbers.csv")
+    dm = prepared(task="pairs", paths=[path], batch_size=4, cache_dir=cache_dir)
+    assert sorted(texts(dm, "train") + texts(dm, "val")) == sorted(rows)
+
+
 def test_a_pairs_file_edited_between_prepare_and_setup_is_read_as_prepared(pair_files, cache_dir):
     """The cache entry is fixed when prepare_data first asks for it: an edit before setup (which
     moves the file's change time, part of the key) does not send setup to an entry nobody
