@@ -48,7 +48,8 @@ if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry 
 # Bump whenever the cache entry's contents change meaning (normalisation, split, file layout).
 # 3: a corpus too small to give validation whole documents is split inside them; a Hub dataset
 # validates on its own validation split. 4: BPE encodes a special's name in the text as text.
-FORMAT_VERSION = 4
+# 5: a text file's byte-order mark is not read as text.
+FORMAT_VERSION = 5
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 

@@ -344,7 +344,10 @@ def load_text_files(
     # an empty file holds no document (and `datasets` cannot type its rows)
     parts = []  # (builder, the files' documents, the files), as naming_unreadable_stream takes
     for builder, read in _reads([f for f in files if not is_blank(f)]):
-        options = {"sample_by": "paragraph"} if builder == "text" else {}
+        # utf-8-sig: a byte-order mark that starts a file (Windows editors write one) is not
+        # text; read as utf-8, it was a character of the vocabulary and of the first document
+        text_options = {"sample_by": "paragraph", "encoding": "utf-8-sig"}
+        options = text_options if builder == "text" else {}
         ds = read_files(builder, read, cache_dir, key, streaming, **options)
         where = ", ".join(map(str, read))
         text = with_text_column(ds, "text" if builder == "text" else text_column, where)

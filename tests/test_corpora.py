@@ -91,6 +91,29 @@ def test_a_file_named_twice_is_read_once(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("streaming", [False, True])
+def test_a_byte_order_mark_is_not_text(tmp_path, streaming):
+    """Windows editors start a UTF-8 file with a byte-order mark: it is not read as a character
+    of the first document and the vocabulary (nor, for BPE, as three bytes), in any file of a
+    read, streamed or not; the files read as those without it."""
+    for folder, encoding in (("plain", "utf-8"), ("marked", "utf-8-sig")):
+        (tmp_path / folder).mkdir()
+        for name, part in (("a.txt", PARAGRAPHS[:20]), ("b.md", PARAGRAPHS[20:])):
+            (tmp_path / folder / name).write_text("\n\n".join(part), encoding=encoding)
+    modules = {
+        folder: prepared(
+            source="text_files",
+            paths=[str(tmp_path / folder)],
+            cache_dir=tmp_path / f"{folder}_cache",
+            streaming=streaming,
+        )
+        for folder in ("plain", "marked")
+    }
+    assert "\ufeff" not in modules["marked"].tokenizer.chars
+    for split in ("train", "val"):
+        assert split_text(modules["marked"], split) == split_text(modules["plain"], split)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
 def test_val_paths_name_the_validation_text(corpus, tmp_path, streaming):
     """data.paths is then all training text and data.val_paths all validation text, whole: a
     corpus's train.txt + valid.txt, or nanoGPT's split of tiny-shakespeare."""
