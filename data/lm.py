@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from data.cache import CachedDataModule, entry_path, sized_meta, write_marker
 from data.lm_text import (
     BATCH_ROWS,
+    BPE_SPECIALS,
     DOCUMENT_SEPARATOR,
     LMDataConfig,
     TokenBlocks,
@@ -50,7 +51,6 @@ if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry 
 # validates on its own validation split. 4: BPE encodes a special's name in the text as text.
 # 5: a text file's byte-order mark is not read as text.
 FORMAT_VERSION = 5
-BPE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 
 # --- Building the cache entry --------------------------------------------------------------------

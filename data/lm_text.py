@@ -31,7 +31,7 @@ from data.sources import (
     tail_split,
     whole_split,
 )
-from data.tokenizer import BPETokenizer, CharTokenizer, token_dtype
+from data.tokenizer import BPETokenizer, CharTokenizer, check_bpe_vocab_size, token_dtype
 from errors import check, check_field_types, check_int
 
 if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when text is read
@@ -42,6 +42,7 @@ TOKENIZERS = ("char", "bpe")
 SPLITS = ("validation", "test")  # what evaluate.py's data.split may ask for
 DOCUMENT_SEPARATOR = "\n\n"  # between documents in the token stream, as between paragraphs
 BATCH_ROWS = 1000  # documents per batch read from a `datasets` dataset
+BPE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # a BPE tokenizer's, ids 0-3
 
 
 @dataclass
@@ -80,6 +81,9 @@ class LMDataConfig:
             raise ValueError(f"data.tokenizer must be one of {known}, got {self.tokenizer!r}")
         check_int("data.block_size", self.block_size)
         check_int("data.bpe_vocab_size", self.bpe_vocab_size)
+        if self.tokenizer == "bpe" and self.tokenizer_file is None:
+            # here, not once the corpus is read, as the tokenizer is about to be trained
+            check_bpe_vocab_size(self.bpe_vocab_size, BPE_SPECIALS)
         check_int("data.batch_size", self.batch_size)
         check_int("data.num_workers", self.num_workers, minimum=0)
         check_int("data.num_proc", self.num_proc)

@@ -195,13 +195,8 @@ class BPETokenizer(SpecialTokens):
     ) -> "BPETokenizer":
         """Learn merges from `texts`, an iterable of training units (streamed, never held all at
         once) or one string, which is cut into paragraphs. Merges never cross a unit's end."""
+        check_bpe_vocab_size(vocab_size, specials)
         alphabet = pre_tokenizers.ByteLevel.alphabet()
-        least = len(alphabet) + len(specials) + 1
-        if vocab_size < least:
-            raise ValueError(
-                f"data.bpe_vocab_size={vocab_size} is too small for byte-level BPE: it needs at "
-                f"least {least} (256 bytes, the special tokens and one merge)"
-            )
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
@@ -251,6 +246,17 @@ class BPETokenizer(SpecialTokens):
     def save(self, path: str | os.PathLike) -> None:
         """Write `path` (a tokenizer.json) and its extras file beside it; see `load_tokenizer`."""
         _save(Path(path), self._tokenizer, "bpe", self.specials)
+
+
+def check_bpe_vocab_size(vocab_size: int, specials: Sequence[str]) -> None:
+    """`vocab_size` holds a byte-level BPE's 256 bytes, `specials` and one merge, else an error
+    naming data.bpe_vocab_size."""
+    least = len(pre_tokenizers.ByteLevel.alphabet()) + len(specials) + 1
+    if vocab_size < least:
+        raise ValueError(
+            f"data.bpe_vocab_size={vocab_size} is too small for byte-level BPE: it needs at "
+            f"least {least} (256 bytes, the special tokens and one merge)"
+        )
 
 
 def _byte_level_bytes() -> dict[str, int]:

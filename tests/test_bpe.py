@@ -99,6 +99,17 @@ def test_bpe_vocab_too_small_names_the_key():
         BPETokenizer.train("some text", vocab_size=100)
 
 
+def test_bpe_vocab_too_small_is_a_config_mistake(tmp_path):
+    """Refused with the config's checks, before the corpus is read under progress bars to train
+    the tokenizer; a tokenizer given by data.tokenizer_file uses no data.bpe_vocab_size."""
+    message = r"^data.bpe_vocab_size=260 is too small for byte-level BPE: it needs at least 261 "
+    with pytest.raises(ValueError, match=message):
+        LMDataConfig(tokenizer="bpe", bpe_vocab_size=260)
+    saved = tmp_path / "tokenizer.json"
+    BPETokenizer.train("some text", vocab_size=300).save(saved)
+    LMDataConfig(tokenizer="bpe", bpe_vocab_size=260, tokenizer_file=str(saved))
+
+
 def test_bpe_config_validation():
     with pytest.raises(ValueError, match="data.bpe_vocab_size must be a positive integer"):
         LMDataConfig(tokenizer="bpe", bpe_vocab_size=0)
