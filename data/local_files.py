@@ -44,7 +44,9 @@ def expand_paths(
                 raise FileNotFoundError(f"{key}: no file matches {pattern!r}; check the glob")
             files += matches
         elif Path(pattern).is_dir():
-            found = sorted(f for f in Path(pattern).rglob("*") if f.suffix.lower() in suffixes)
+            # is_file: a folder inside named like a file ("notes.txt/") is searched, not read
+            named = (f for f in Path(pattern).rglob("*") if f.suffix.lower() in suffixes)
+            found = sorted(f for f in named if f.is_file())
             if not found:
                 raise FileNotFoundError(
                     f"{key}: the folder {pattern} holds no {'/'.join(suffixes)} files"

@@ -18,7 +18,7 @@ import pytest
 
 from data.lm import LMDataModule
 from data.lm_text import LMDataConfig
-from data.local_files import load_text_files, read_files
+from data.local_files import TEXT_BUILDERS, expand_paths, load_text_files, read_files
 from data.sources import hub_reachable
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from helpers import ROOT, clean_env, write_hub_dataset
@@ -65,6 +65,20 @@ def test_text_files_folder_documents_and_split(corpus, tmp_path):
     meta = json.loads((module.cache_entry / "meta.json").read_text())
     assert meta["val_chars"] == len("\n\n".join(val))
     assert [Path(f).name for f, *_ in meta["key"]["files"]] == ["a.txt", "b.md", "c.jsonl"]
+
+
+def test_a_folder_named_like_a_text_file_is_searched_not_read(corpus, tmp_path):
+    """A folder inside data.paths' folder whose name ends in .txt is searched for files like any
+    other (it was opened as a file: IsADirectoryError in a traceback)."""
+    (corpus / "notes.txt").mkdir()
+    (corpus / "notes.txt" / "d.md").write_text("\n\n".join(PARAGRAPHS[:10]))
+    files = expand_paths([str(corpus)], list(TEXT_BUILDERS))
+    names = ["a.txt", "nested/b.md", "nested/c.jsonl", "notes.txt/d.md"]
+    assert files == [corpus / name for name in names]
+    module = prepared(
+        source="text_files", paths=[str(corpus)], text_column="body", cache_dir=tmp_path
+    )
+    assert split_text(module, "train").count(PARAGRAPHS[0]) == 2  # a.txt's and d.md's
 
 
 def test_a_file_named_twice_is_read_once(corpus, tmp_path):
