@@ -37,12 +37,10 @@ def expand_paths(
         )
     files: list[Path] = []
     for pattern in map(os.path.expanduser, patterns):
-        if any(ch in pattern for ch in "*?["):
-            matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
-            matches = [m for m in matches if m.is_file()]
-            if not matches:
-                raise FileNotFoundError(f"{key}: no file matches {pattern!r}; check the glob")
-            files += matches
+        # A file or folder that exists is taken as named before the pattern is read as a glob:
+        # a name may hold a glob's characters ("notes[1].txt"), which match other names.
+        if Path(pattern).is_file():
+            files.append(Path(pattern))
         elif Path(pattern).is_dir():
             # is_file: a folder inside named like a file ("notes.txt/") is searched, not read
             named = (f for f in Path(pattern).rglob("*") if f.suffix.lower() in suffixes)
@@ -52,8 +50,12 @@ def expand_paths(
                     f"{key}: the folder {pattern} holds no {'/'.join(suffixes)} files"
                 )
             files += found
-        elif Path(pattern).is_file():
-            files.append(Path(pattern))
+        elif any(ch in pattern for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
+            matches = [m for m in matches if m.is_file()]
+            if not matches:
+                raise FileNotFoundError(f"{key}: no file matches {pattern!r}; check the glob")
+            files += matches
         else:
             raise FileNotFoundError(f"{key}: no file at {pattern}; check the path")
     for f in files:
@@ -121,7 +123,9 @@ def load_local(
     with library_switches(False, (datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS")):
         return datasets.load_dataset(
             builder,
-            data_files=[str(f) for f in files],
+            # escaped: `datasets` reads data_files as globs, and "notes[1].txt" as one matches
+            # "notes1.txt", not itself
+            data_files=[glob.escape(str(f)) for f in files],
             split="train",
             streaming=streaming,
             cache_dir=cache_dir,

@@ -81,6 +81,21 @@ def test_a_folder_named_like_a_text_file_is_searched_not_read(corpus, tmp_path):
     assert split_text(module, "train").count(PARAGRAPHS[0]) == 2  # a.txt's and d.md's
 
 
+def test_a_file_or_folder_whose_name_holds_glob_characters_is_read_by_its_name(tmp_path):
+    """ "notes[1].txt" as a glob matches "notes1.txt" only: a file or folder of that name is
+    taken as named (the file was refused: no file matches), and a glob still matches."""
+    (tmp_path / "run[1]").mkdir()
+    (tmp_path / "run[1]" / "notes[1].txt").write_text("\n\n".join(PARAGRAPHS[:10]))
+    (tmp_path / "notes1.txt").write_text(PARAGRAPHS[10])
+    named = [str(tmp_path / "run[1]" / "notes[1].txt"), str(tmp_path / "run[1]")]
+    assert expand_paths(named, list(TEXT_BUILDERS)) == [tmp_path / "run[1]" / "notes[1].txt"]
+    glob = str(tmp_path / "notes[0-9].txt")
+    assert expand_paths([glob], list(TEXT_BUILDERS)) == [tmp_path / "notes1.txt"]
+    for streaming in (False, True):  # `datasets` given it, which reads names as globs too
+        module = prepared(source="text_files", paths=named, cache_dir=tmp_path, streaming=streaming)
+        assert PARAGRAPHS[9] == split_text(module, "val")
+
+
 def test_a_file_named_twice_is_read_once(corpus, tmp_path):
     """A folder and a glob inside it, or a link to a file of it, name its files twice: each is
     read once, where first named (read twice, its documents trained twice, and a document that
