@@ -13,11 +13,15 @@ from pathlib import Path
 import torch
 from hydra import compose
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from kinds import kind_of
 from model.checkpoint import find_checkpoint, load_checkpoint, weights_mismatch
 from training.resume import Resume, flatten, override_key
 from training.summary import print_once
+
+# The data options that pick or train a tokenizer
+TOKENIZER_OPTIONS = ("data.tokenizer", "data.bpe_vocab_size")
 
 
 @dataclass
@@ -63,10 +67,15 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
                 f"ckpt_path={resume.path} continues a run: give one of them"
             )
         return resume, None
+    # The weights come with the tokenizer they were trained with: another would be ignored.
+    chosen = [k for k in TOKENIZER_OPTIONS if k in keys]
     if cfg.data.get("tokenizer_file") is not None:
+        chosen = ["data.tokenizer_file", *chosen]
+    if chosen:
+        key = chosen[0]
         raise ValueError(
-            f"data.tokenizer_file={cfg.data.tokenizer_file}: init_from={source} brings its own "
-            "tokenizer, which its weights were trained with; drop data.tokenizer_file"
+            f"{key}={OmegaConf.select(cfg, key)}: init_from={source} brings its own "
+            f"tokenizer, which its weights were trained with; drop {key}"
         )
     path = find_checkpoint(source, "best", "init_from")
     model, hparams = load_checkpoint(path, "init_from")
