@@ -102,20 +102,28 @@ def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
             f"out={out} is not empty and holds no earlier export: give a new directory, or add "
             "overwrite=true to write the export's files into it (files of other names stay)"
         )
+    # Where the export is first written (see staging_dir), and where its files are moved.
     unwritable = "give out= a directory on a disk you can write to"
-    check_writable(out, f"out={out}", unwritable)  # the export is written beside it first
-    if out.is_dir():  # and its files moved into it
-        check_writable(out / EXPORT_CONFIG, f"out={out}", unwritable)
+    check_writable(out / EXPORT_CONFIG if out.is_dir() else out, f"out={out}", unwritable)
+
+
+def staging_dir(out: Path) -> Path:
+    """Where the export is written before it is moved to `out`: on the disk of `out`'s files,
+    so that each move is a rename. Beside a new `out`; inside an existing one, which may be
+    the mount point of another disk than its parent's."""
+    if out.is_dir():
+        return out / f".export.{os.getpid()}.tmp"
+    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
 
 
 def publish(staging: Path, out: Path) -> None:
-    """Move the export written in `staging` to `out`. A new or empty `out` becomes it in one
-    rename. Otherwise its files replace those of the same names, an earlier export's other
-    files are removed and any other file stays; config.json, which makes a directory an export,
-    goes first and comes back last, so that `out` is never a half-written export."""
-    if not out.exists() or not any(out.iterdir()):
-        if out.exists():
-            out.rmdir()
+    """Move the export written in `staging` to `out`. A new `out` becomes it in one rename. An
+    existing one, empty too, is written into, never replaced (it may be a shell's working
+    directory or a mount point): its files are replaced by those of the same names, an earlier
+    export's other files are removed and any other file stays; config.json, which makes a
+    directory an export, goes first and comes back last, so that `out` is never a half-written
+    export."""
+    if not out.exists():
         staging.rename(out)
         return
     stale = EXPORT_FILES - {path.name for path in staging.iterdir()} if holds_export(out) else set()
@@ -206,9 +214,8 @@ def export(options: ExportOptions) -> Path:
         "run_config": hparams.get("run_config"),
         "exported_from": str(checkpoint.resolve()),
     }
-    # Written beside `out` (the same file system, so moving it in is a rename), and removed
-    # whatever happens: a failed export leaves `out` as it was.
-    staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    # Removed whatever happens: a failed export leaves `out` as it was.
+    staging = staging_dir(out)
     shutil.rmtree(staging, ignore_errors=True)  # left by a killed export of the same pid
     staging.mkdir(parents=True)
     try:
@@ -223,7 +230,7 @@ def export(options: ExportOptions) -> Path:
         if disk_full_cause(error) is None:  # safetensors' error holds the errno in its text
             raise
         raise ValueError(
-            f"no space left on the disk of {out.parent} to write the export (nothing was "
+            f"no space left on the disk of {staging.parent} to write the export (nothing was "
             f"written to {out}): free some space, or give out= on another disk"
         ) from None
     finally:

@@ -3,6 +3,7 @@ with format=hf, that transformers loads as a GPT-2 computing the same logits; an
 never loses a file it was not asked to replace."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,44 @@ def test_a_directory_of_other_files_is_written_into_only_with_overwrite(tmp_path
     assert load(out)[1]["kind"] == "gpt"
 
 
+def test_an_existing_empty_out_is_written_into_and_kept(tmp_path, monkeypatch):
+    # out=. from a shell in the new folder: the folder stays the shell's, with the export in it.
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    out = tmp_path / "export"
+    out.mkdir()
+    folder = out.stat().st_ino
+    monkeypatch.chdir(out)
+    exported(checkpoint, Path("."))
+    assert out.stat().st_ino == folder and Path.cwd() == out
+    assert load(out)[1]["kind"] == "gpt"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tinyformer_tokenizer.json",
+        "tokenizer.json",
+    ]
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["empty", "earlier-export"])
+def test_an_out_that_is_a_mount_point_is_exported_into(tmp_path, earlier):
+    # Another disk than its parent's: the export's files cannot be renamed into it from beside
+    # it, nor the folder replaced.
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    with small_disk(tmp_path / "disk", "4m") as out:
+        if earlier:
+            for path in exported(checkpoint, tmp_path / "first", format="hf").iterdir():
+                shutil.copy(path, out)
+        exported(checkpoint, out)
+        assert load(out)[1]["format"] == "safetensors"
+        assert sorted(p.name for p in out.iterdir()) == [
+            "config.json",
+            "model.safetensors",
+            "tinyformer_tokenizer.json",
+            "tokenizer.json",
+        ]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 def test_out_may_not_hold_the_checkpoint_it_exports(tmp_path):
     checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
     with pytest.raises(ValueError, match="holds the checkpoint it exports"):
@@ -338,9 +377,9 @@ def test_an_out_on_a_read_only_disk_is_one_line_and_writes_nothing(tmp_path):
     earlier = exported(checkpoint, disk / "earlier")
     before = files_under(disk)
     with read_only(disk):
-        for out in (disk / "new", earlier):
+        for out, folder in ((disk / "new", disk), (earlier, earlier)):
             assert export_command(checkpoint, out) == (
-                f"error: out={out} cannot be written (Read-only file system in {disk}): give "
+                f"error: out={out} cannot be written (Read-only file system in {folder}): give "
                 "out= a directory on a disk you can write to"
             )
     assert files_under(disk) == before
