@@ -191,7 +191,9 @@ def translate(
             **ids,
             **config.sampling_kwargs(generator),
         )
-    for output in outputs:
+    for index, output in enumerate(outputs):
+        if index:  # as between a GPT's samples: a decode may hold newlines of its own
+            print("\n" + SEPARATOR)
         print(tokenizer.decode(output))
     if config.attention_plot:
         save_cross_attention(model, tokenizer, source_ids, outputs[0], config.attention_plot)

@@ -153,6 +153,18 @@ def test_a_sources_mask_is_the_mask_token_a_span_corrupted_model_fills(capsys):
     assert output == expected and capsys.readouterr().out == chars.decode(output) + "\n"
 
 
+def test_an_encoder_decoders_samples_are_separated_as_a_gpts(capsys):
+    # Targets hold newlines (a passage of a speech): without the line between them, where one
+    # sample ends is lost.
+    chars = CharTokenizer.from_text(TEXT, specials=SPECIALS)
+    torch.manual_seed(0)
+    model = sharpened(tiny_encdec(chars.vocab_size))
+    config = SamplingConfig(source="Speak", num_samples=3, max_new_tokens=12, temperature=2.0)
+    outputs = translate(model, chars, config, torch.device("cpu"))
+    expected = f"\n\n{SEPARATOR}\n".join(chars.decode(output) for output in outputs) + "\n"
+    assert len(outputs) == 3 and capsys.readouterr().out == expected
+
+
 # Options that contradict each other, and the line that says so.
 CONFLICTS = {
     "prompt_and_file": (
