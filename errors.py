@@ -8,12 +8,13 @@ the same way, so the checks live beside them rather than in either.
 import dataclasses
 import math
 import os
+import signal
 import sys
 import tempfile
 import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar, Union, get_args, get_origin
+from typing import NoReturn, TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
 
@@ -36,6 +37,14 @@ def exit_on_user_error(
             raise
         print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(1)
+
+
+def exit_on_broken_pipe() -> NoReturn:
+    """End a command whose stdout reader stopped early (`| head`): it has what it wanted, so no
+    traceback, and the status of a process that SIGPIPE ended, as other tools of a pipeline."""
+    # Python would fail again flushing stdout at exit: point it at nothing first.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(128 + signal.SIGPIPE)
 
 
 def one_line(error: BaseException) -> str:

@@ -44,6 +44,7 @@ from errors import (
     check_known,
     check_writable,
     config_from,
+    exit_on_broken_pipe,
     exit_on_user_error,
 )
 from kinds import KINDS, ModelKind
@@ -283,12 +284,12 @@ def check_out(out: Path, shown: str) -> None:
 
 
 def report(result: dict, out: Path) -> None:
-    """The table on stdout and the result as JSON in `out`."""
+    """The result as JSON in `out` and the table on stdout: the file first, so that a reader
+    of stdout that stops early (`| head -3`) costs no result."""
     lines = [("checkpoint", f"{result['checkpoint']} ({result['kind']})"), ("data", result["data"])]
     lines += [(label, form.format(result[key])) for label, key, form in ROWS if key in result]
     width = max(len(label) for label, _ in lines)
-    for label, value in lines:
-        print(f"{label:<{width}}  {value}")
+    table = "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # A new file renamed over the old: never written in place, so that a hard link of it
@@ -297,12 +298,15 @@ def report(result: dict, out: Path) -> None:
     except OSError as error:
         if disk_full_cause(error) is None:
             raise
+        print(table)
         raise ValueError(
             f"no space left on the disk of {out.parent} to write {out.name} (nothing there "
             "was replaced; the table above holds the result): free some space, or give out= "
             "on another disk"
         ) from None
-    print(f"written to {out}")
+    print(table)
+    # Flushed here, where a reader gone is caught, rather than at exit, where it is not.
+    print(f"written to {out}", flush=True)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -335,6 +339,8 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # Ctrl-C: no traceback
         print(file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        exit_on_broken_pipe()
 
 
 if __name__ == "__main__":

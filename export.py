@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,7 +25,13 @@ from safetensors.torch import save_model
 
 from data.files import disk_full_cause
 from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
-from errors import check_field_types, check_writable, config_from, exit_on_user_error
+from errors import (
+    check_field_types,
+    check_writable,
+    config_from,
+    exit_on_broken_pipe,
+    exit_on_user_error,
+)
 from model.checkpoint import (
     EXPORT_CONFIG,
     EXPORT_WEIGHTS,
@@ -269,11 +276,15 @@ def run(cfg: DictConfig) -> None:
     print(f"sample from it: python generate.py ckpt={out}")
     if options.format == "hf":
         print(f"or in Python: transformers.AutoModelForCausalLM.from_pretrained('{out}')")
+    sys.stdout.flush()  # here, where a reader gone is caught, rather than at exit, where it is not
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")
 def main(cfg: DictConfig) -> None:
-    exit_on_user_error(lambda: run(cfg))
+    try:
+        exit_on_user_error(lambda: run(cfg))
+    except BrokenPipeError:  # the export is written before anything is printed
+        exit_on_broken_pipe()
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@
 The checkpoint carries the model config and the tokenizer, so it needs nothing else.
 """
 
-import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -29,6 +27,7 @@ from errors import (
     check_field_types,
     check_known,
     check_writable,
+    exit_on_broken_pipe,
     exit_on_user_error,
 )
 from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
@@ -304,10 +303,8 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # Ctrl-C: the text so far stays on screen, no traceback
         print(file=sys.stderr)
         sys.exit(130)
-    except BrokenPipeError:  # `| head`: the reader has what it wanted, no traceback
-        # Python would fail again flushing stdout at exit: point it at nothing first.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(128 + signal.SIGPIPE)
+    except BrokenPipeError:
+        exit_on_broken_pipe()
 
 
 if __name__ == "__main__":

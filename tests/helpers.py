@@ -269,6 +269,34 @@ def run_script(
     )
 
 
+def run_unread(
+    script: str, *arguments: str, cache_dir: Path, buffered: bool
+) -> subprocess.CompletedProcess:
+    """run_script's command with a stdout whose reader has gone before the first line (`| head`
+    at its quickest): block-buffered as Python buffers a pipe, or written line by line as
+    PYTHONUNBUFFERED=1 has it (set in many containers). Its stdout is None."""
+    env = clean_env(cache_dir)
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, str(ROOT / script), *arguments],
+            cwd=ROOT,
+            env=env,
+            preexec_fn=default_signals,
+            stdin=subprocess.DEVNULL,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        os.close(write)
+
+
 def train_run(run_dir: Path, *overrides: str, cache_dir: Path, env: dict | None = None) -> Path:
     """Run train.py into `run_dir` (with `env` added to its environment), fail the test with its
     stderr if it fails, keep its output as run_dir/stdout.txt and stderr.txt, and return

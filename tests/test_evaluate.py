@@ -5,6 +5,7 @@ dataset's test split, and turns mistakes into one line."""
 import json
 import math
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from helpers import (
     SMALLEST_BASE,
     read_only,
     run_script,
+    run_unread,
     save_checkpoint,
     sharpened,
     small_disk,
@@ -462,6 +464,20 @@ def test_the_result_replaces_an_earlier_one_by_rename_never_in_place(tmp_path):
     assert (tmp_path / "kept.json").read_text() == first
     assert json.loads(out.read_text())["tokens"] > json.loads(first)["tokens"]
     assert not list(run_dir.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_a_reader_that_stops_early_costs_no_result_and_no_traceback(tmp_path, buffered):
+    # `evaluate.py ... | head -3`: the result is written all the same, and the command ends
+    # as a pipeline's tools do when their reader goes.
+    run_dir = saved_run(tmp_path / "run")
+    text = ["data=text_files", f"data.paths=[{run_dir / 'held_out.txt'}]"]
+    result = run_unread(
+        "evaluate.py", f"ckpt={run_dir}", *text, cache_dir=tmp_path / "cache", buffered=buffered
+    )
+    assert result.returncode == 128 + signal.SIGPIPE, result.stderr[-3000:]
+    assert "BrokenPipeError" not in result.stderr and "Traceback" not in result.stderr
+    assert json.loads((run_dir / "eval_text_files.json").read_text())["tokens"] > 0
 
 
 def test_a_full_disk_keeps_the_earlier_result_and_is_one_line(tmp_path):

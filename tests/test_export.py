@@ -4,6 +4,7 @@ never loses a file it was not asked to replace."""
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from export import ExportOptions, export
 from helpers import (
     read_only,
     run_script,
+    run_unread,
     save_checkpoint,
     sharpened,
     small_disk,
@@ -369,6 +371,17 @@ def test_another_runs_directory_is_never_exported_into(tmp_path, overwrite, reco
     assert files_under(run_dir) == before
     exported(checkpoint, run_dir / "export")  # a new folder inside it is the export's own
     assert load(run_dir / "export")[1]["kind"] == "gpt"
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_a_reader_that_stops_early_ends_export_quietly(tmp_path, buffered):
+    # `export.py ... | head -1`: the export is written before anything is printed.
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    out = tmp_path / "export"
+    options = (f"ckpt={checkpoint}", f"out={out}")
+    result = run_unread("export.py", *options, cache_dir=tmp_path / "cache", buffered=buffered)
+    assert result.returncode == 128 + signal.SIGPIPE and result.stderr == "", result.stderr
+    assert load(out)[1]["kind"] == "gpt"
 
 
 def test_an_out_on_a_read_only_disk_is_one_line_and_writes_nothing(tmp_path):
