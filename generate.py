@@ -142,14 +142,16 @@ class Inputs:
 
 
 def stdin_lines() -> Iterator[str]:
-    """Lines of stdin as they come, without their newline; on a terminal "> " asks for each."""
+    """Lines of stdin as they come, without their line ending: a newline, or a carriage return
+    and a newline (a file saved on Windows; a char tokenizer knows no carriage return); on a
+    terminal "> " asks for each."""
     while True:
         if sys.stdin.isatty():
             print("> ", end="", file=sys.stderr, flush=True)
         line = sys.stdin.readline()
         if not line:
             return
-        yield line.removesuffix("\n")
+        yield line.removesuffix("\n").removesuffix("\r")
 
 
 def translate(

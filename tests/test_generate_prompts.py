@@ -79,6 +79,13 @@ def test_interactive_answers_each_line_as_that_prompt_would_be_answered(gpt):
 
 
 @pytest.mark.slow
+def test_interactive_reads_windows_lines_as_lines(gpt):
+    lines = ["All:", "Speak, speak", ""]
+    answers = generate(gpt, "interactive=true", *GREEDY, stdin="\r\n".join(lines) + "\r\n")
+    assert answers == generate(gpt, "interactive=true", *GREEDY, stdin="\n".join(lines) + "\n")
+
+
+@pytest.mark.slow
 def test_interactive_reports_a_bad_line_and_answers_the_others(gpt):
     result = run_script(
         "generate.py",
