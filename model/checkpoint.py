@@ -105,7 +105,8 @@ def run_dir_of(folder: Path) -> Path | None:
 
 def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
     """The checkpoint that `given` (the value of the command's option `key`) names, by one rule:
-    a file is itself; an export directory is itself; a run directory, or its checkpoints/
+    a file is itself (an export's own .json or .safetensors file is refused, naming its
+    directory); an export directory is itself; a run directory, or its checkpoints/
     folder, gives its `which` checkpoint. "last" is last.ckpt, where a run continues (train.py
     ckpt_path=), which an export cannot do: it holds no training state; "best" is the best
     checkpoint (see best_checkpoint), else last.ckpt, what a trained model is used from
@@ -119,6 +120,12 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
         raise ValueError(not_text(key, given))
     path = Path(given).expanduser()
     if path.is_file():
+        # An export's weights, config or tokenizer alone hold no model (a .ckpt beside them does)
+        if path.suffix in (".safetensors", ".json") and is_export(path.parent):
+            raise ValueError(
+                f"{key}={given} is a file of the export {path.parent}: give the export's "
+                f"directory, {key}={path.parent}"
+            )
         return path
     if is_export(path):
         if which == "last":

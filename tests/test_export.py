@@ -96,6 +96,18 @@ def test_a_damaged_export_is_one_error_naming_its_file(tmp_path):
         load(out)
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_a_file_of_an_export_names_its_directory(tmp_path, name):
+    out = exported(checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path), tmp_path / "export")
+    with pytest.raises(ValueError) as error:
+        find_checkpoint(str(out / name), "best", "ckpt")
+    assert str(error.value) == (
+        f"ckpt={out / name} is a file of the export {out}: give the export's directory, ckpt={out}"
+    )
+    beside = checkpoint_of(tiny_gpt(CHARS.vocab_size), out)  # a checkpoint kept in it is itself
+    assert find_checkpoint(str(beside), "best", "ckpt") == beside
+
+
 def test_an_export_cannot_be_resumed_from(tmp_path):
     out = exported(checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path), tmp_path / "export")
     with pytest.raises(ValueError, match="is an export, which holds the weights only"):
