@@ -260,6 +260,12 @@ def run(cfg: DictConfig) -> None:
     checkpoint_path = find_checkpoint(ckpt, "best", "ckpt")
     model, hparams = load_checkpoint(checkpoint_path)
     inputs.check_model(model, checkpoint_path)
+    # Before any input is read: interactive=true would otherwise fail each line alike.
+    if config.decoding == "beam" and not isinstance(model, EncoderDecoder):
+        raise ValueError(
+            f"decoding=beam is for encoder-decoder checkpoints; {checkpoint_path} is a GPT: use "
+            "decoding=sample or greedy"
+        )
     if config.cuda_graph and isinstance(model, EncoderDecoder):
         raise ValueError(
             f"cuda_graph=true is for GPT checkpoints; {checkpoint_path} is an encoder-decoder: "

@@ -102,8 +102,6 @@ def stream_samples(
     model: GPT, tokenizer: Tokenizer, config: SamplingConfig, device: torch.device
 ) -> list[list[int]]:
     """Print num_samples continuations of the prompt, token by token; return their ids."""
-    if config.decoding == "beam":
-        raise ValueError("decoding=beam is for encoder-decoder checkpoints: use sample or greedy")
     config.check_device(device)
     prompt = torch.tensor([encode(tokenizer, config.prompt, "prompt")], device=device)
     generator = torch.Generator(device=device).manual_seed(config.seed)

@@ -79,6 +79,19 @@ def test_interactive_answers_each_line_as_that_prompt_would_be_answered(gpt):
 
 
 @pytest.mark.slow
+def test_an_option_for_the_other_kind_of_model_fails_once_before_any_line(gpt):
+    options = ["interactive=true", "decoding=beam"]
+    result = run_script(
+        "generate.py", f"ckpt={gpt}", *options, cache_dir=gpt.parent, stdin="All:\nhear me\n"
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: decoding=beam is for encoder-decoder checkpoints; {gpt} is a GPT: use "
+        "decoding=sample or greedy"
+    ]
+
+
+@pytest.mark.slow
 def test_interactive_reads_windows_lines_as_lines(gpt):
     lines = ["All:", "Speak, speak", ""]
     answers = generate(gpt, "interactive=true", *GREEDY, stdin="\r\n".join(lines) + "\r\n")
