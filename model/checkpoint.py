@@ -141,7 +141,8 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
     found = next((c for c in candidates if c is not None and c.is_file()), None)
     if found is not None:
         return found
-    missing = f"no {which} checkpoint in {folder}" if path.is_dir() else f"no checkpoint at {path}"
+    looked_for = " or ".join(c.name if c else "best*.ckpt" for c in candidates)
+    missing = f"no {looked_for} in {folder}" if path.is_dir() else f"no checkpoint at {path}"
     raise FileNotFoundError(
         f"{key}={given}: {missing}; give the directory of a run that saved checkpoints (runs "
         "live under outputs/) or a .ckpt file, or an export's directory"

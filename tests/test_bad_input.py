@@ -293,6 +293,8 @@ CASES = [
     ("generate_missing_checkpoint", "generate.py", ["ckpt={tmp}/nope"],
      "error: ckpt={tmp}/nope: no checkpoint at {tmp}/nope; give the directory of a run that "
      "saved checkpoints (runs live under outputs/) or a .ckpt file"),
+    ("generate_from_a_folder_without_checkpoints", "generate.py", ["ckpt={tmp}/no_checkpoints"],
+     "error: ckpt={tmp}/no_checkpoints: no best*.ckpt or last.ckpt in {tmp}/no_checkpoints; "),
     ("generate_checkpoint_that_runs_code", "generate.py", ["ckpt={tmp}/evil.ckpt"],
      "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
     ("generate_foreign_checkpoint", "generate.py", ["ckpt={tmp}/foreign.ckpt"],
@@ -392,6 +394,7 @@ class RunsCode:
 def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("bad_inputs")
     (tmp / "empty.txt").write_text("")
+    (tmp / "no_checkpoints").mkdir()
     (tmp / "short.txt").write_text("\n\n".join(f"line {i}" for i in range(30)))
     torch.save({"state_dict": {}, "payload": RunsCode(tmp / "pwned")}, tmp / "evil.ckpt")
     torch.save(torch.ones(3), tmp / "foreign.ckpt")
