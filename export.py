@@ -127,13 +127,18 @@ def publish(staging: Path, out: Path) -> None:
     """Move the export written in `staging` to `out`. A new `out` becomes it in one rename. An
     existing one, empty too, is written into, never replaced (it may be a shell's working
     directory or a mount point): its files are replaced by those of the same names, an earlier
-    export's other files are removed and any other file stays; config.json, which makes a
+    export's other files (and evaluate.py's scores of it) are removed and any other file stays;
+    config.json, which makes a
     directory an export, goes first and comes back last, so that `out` is never a half-written
     export."""
     if not out.exists():
         staging.rename(out)
         return
-    stale = EXPORT_FILES - {path.name for path in staging.iterdir()} if holds_export(out) else set()
+    stale = set()
+    if holds_export(out):
+        stale = EXPORT_FILES - {path.name for path in staging.iterdir()}
+        # evaluate.py's scores of the earlier weights (eval_<data>.json), which no longer hold
+        stale |= {path.name for path in out.glob("eval_*.json")}
     (out / EXPORT_CONFIG).unlink(missing_ok=True)
     for name in stale:
         (out / name).unlink(missing_ok=True)

@@ -216,6 +216,7 @@ def test_an_earlier_export_is_replaced_whole_and_other_files_stay(tmp_path):
     checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
     out = exported(checkpoint, tmp_path / "export", format="hf")
     (out / "README.md").write_text("my notes")
+    (out / "eval_val.json").write_text("{}")  # evaluate.py's score of the earlier weights
     exported(checkpoint, out)  # no overwrite=true needed over an earlier export
     assert sorted(p.name for p in out.iterdir()) == [
         "README.md",
@@ -223,7 +224,8 @@ def test_an_earlier_export_is_replaced_whole_and_other_files_stay(tmp_path):
         "model.safetensors",
         "tinyformer_tokenizer.json",
         "tokenizer.json",
-    ]  # the hf export's tokenizer_config.json and generation_config.json went with it
+    ]  # the hf export's tokenizer_config.json and generation_config.json went with it, and
+    # the score of its weights
     assert (out / "README.md").read_text() == "my notes"
     assert load(out)[1]["exported_from"] == str(checkpoint.resolve())
     assert not list(tmp_path.glob(".*.tmp"))
