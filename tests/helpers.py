@@ -4,8 +4,10 @@ user would, in an environment that is the same on every machine."""
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -385,3 +387,17 @@ def write_hub_dataset(folder: Path, splits: dict[str, list[str]], column: str = 
         path = folder / "data" / f"{split}-00000-of-00001.parquet"
         datasets.Dataset.from_dict({column: rows}).to_parquet(str(path))
     return folder
+
+
+def damage_checkpoint(path: Path) -> None:
+    """Overwrite bytes in the middle of the largest file of the checkpoint's zip archive (a
+    tensor's data), as a failing disk or a bad copy would."""
+    with zipfile.ZipFile(path) as archive:
+        largest = max(archive.infolist(), key=lambda info: info.file_size)
+    data = bytearray(path.read_bytes())
+    # the local header: 30 bytes, then the name and the extra field, whose lengths end it
+    name_length, extra_length = struct.unpack("<HH", data[largest.header_offset + 26 :][:4])
+    start = largest.header_offset + 30 + name_length + extra_length
+    middle = start + largest.file_size // 2
+    data[middle : middle + 16] = bytes(255 - b for b in data[middle : middle + 16])
+    path.write_bytes(bytes(data))

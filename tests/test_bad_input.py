@@ -5,6 +5,7 @@ traceback, and a checkpoint that would run code never does."""
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from export import ExportOptions, export
-from helpers import SMALLEST_BASE, read_only, run_script, write_hub_dataset
+from helpers import SMALLEST_BASE, damage_checkpoint, read_only, run_script, write_hub_dataset
 from training.module import LanguageModelModule
 
 # (id, script, overrides, what the message says). {tmp} is this module's folder of inputs,
@@ -295,6 +296,11 @@ CASES = [
      "saved checkpoints (runs live under outputs/) or a .ckpt file"),
     ("generate_from_a_folder_without_checkpoints", "generate.py", ["ckpt={tmp}/no_checkpoints"],
      "error: ckpt={tmp}/no_checkpoints: no best*.ckpt or last.ckpt in {tmp}/no_checkpoints; "),
+    ("generate_damaged_checkpoint", "generate.py", ["ckpt={tmp}/damaged.ckpt"],
+     "error: {tmp}/damaged.ckpt is damaged: its archive/data/"),
+    ("resume_damaged_checkpoint", "train.py",
+     ["ckpt_path={tmp}/damaged/checkpoints/last.ckpt", "trainer.max_steps=100"],
+     "error: {tmp}/damaged/checkpoints/last.ckpt is damaged: its archive/data/"),
     ("generate_checkpoint_that_runs_code", "generate.py", ["ckpt={tmp}/evil.ckpt"],
      "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
     ("generate_foreign_checkpoint", "generate.py", ["ckpt={tmp}/foreign.ckpt"],
@@ -400,6 +406,10 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     torch.save(torch.ones(3), tmp / "foreign.ckpt")
     last = (trained_run / "checkpoints" / "last.ckpt").read_bytes()
     (tmp / "truncated.ckpt").write_bytes(last[: len(last) // 2])
+    (tmp / "damaged.ckpt").write_bytes(last)
+    damage_checkpoint(tmp / "damaged.ckpt")
+    shutil.copytree(trained_run, tmp / "damaged")  # a run whose last checkpoint went bad
+    damage_checkpoint(tmp / "damaged" / "checkpoints" / "last.ckpt")
     checkpoint = torch.load(trained_run / "checkpoints" / "last.ckpt", weights_only=True)
     checkpoint["state_dict"].pop(next(k for k in checkpoint["state_dict"] if "mlp" in k))
     torch.save(checkpoint, tmp / "missing_weight.ckpt")

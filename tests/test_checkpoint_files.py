@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, small_disk, tiny_gpt_config
+from helpers import ROOT, damage_checkpoint, small_disk, tiny_gpt_config
 from model.checkpoint import find_checkpoint, load_safely, model_state
 from model.gpt import GPT
 from training.checkpoint_io import DurableCheckpointIO, host_copy, partial_files, save_durably
@@ -102,6 +102,17 @@ def test_truncated_checkpoint_error_names_the_file(tmp_path):
     path.write_bytes(path.read_bytes()[:500])
     with pytest.raises(ValueError, match=f"^{path} is not a readable tinyformer checkpoint"):
         load_safely(path)
+
+
+def test_a_damaged_checkpoint_is_refused_naming_it(tmp_path):
+    """torch.load does not check the archive's checksums: the damaged bytes loaded as weights."""
+    path = tmp_path / "last.ckpt"
+    save_durably({"weights": torch.ones(1000)}, path)
+    assert torch.equal(load_safely(path)["weights"], torch.ones(1000))
+    damage_checkpoint(path)
+    with pytest.raises(ValueError, match=f"^{path} is damaged: its .* does not match"):
+        load_safely(path)
+    assert not torch.equal(load_safely(path, mmap=True)["weights"], torch.ones(1000))
 
 
 def test_compiled_and_plain_models_load_each_others_weights():
