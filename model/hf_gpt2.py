@@ -30,8 +30,12 @@ def gpt2_obstacle(model: nn.Module) -> str | None:
     head_dim = config.n_embd // attention.n_head
     if config.position != "learned":
         return f"needs model.position=learned, this checkpoint has {config.position}"
-    if attention.window is not None:
-        return f"needs model.attention.window=null, this checkpoint has {attention.window}"
+    # A window as long as the block hides nothing: learned positions never see more keys.
+    if attention.window is not None and attention.window < config.block_size:
+        return (
+            f"needs model.attention.window=null (or at least model.block_size="
+            f"{config.block_size}), this checkpoint has {attention.window}"
+        )
     scale = attention.scale_for(head_dim)
     if not (math.isclose(scale, head_dim**-0.5) or scale == 1.0):
         return (

@@ -124,6 +124,7 @@ EXPRESSIBLE = {
     "mlp_ratio_2": {"mlp_ratio": 2, "n_layer": 3},
     "gqa": {"n_kv_head": 2},  # each shared key/value head repeated for its 2 query heads
     "mqa_no_bias": {"n_kv_head": 1, "bias": False},
+    "window_of_the_block": {"window": 16},  # the block's 16 keys: every key a query may see
 }
 
 
@@ -189,7 +190,11 @@ NOT_GPT2 = {
         {"position": "sinusoidal"},
         "needs model.position=learned, this checkpoint has sinusoidal",
     ),
-    "window": ({"window": 4}, "needs model.attention.window=null, this checkpoint has 4"),
+    "window": (
+        {"window": 4},
+        "needs model.attention.window=null (or at least model.block_size=16), this checkpoint "
+        "has 4",
+    ),
     "scale": (
         {"attention": AttentionConfig(n_head=4, scale="1/dk")},
         "needs model.attention.scale=1/sqrt_dk or 1.0, this checkpoint has 1/dk (= 0.125 for "
