@@ -106,8 +106,11 @@ class Inputs:
                 raise ValueError(f"prompt_file={self.prompt_file} is a folder: give a text file")
             if not path.is_file():
                 raise FileNotFoundError(f"prompt_file={self.prompt_file}: no file at {path}")
-            try:  # bytes decoded, not read_text: its newlines stay as they are (\r\n too)
-                text, key = path.read_bytes().decode("utf-8"), "prompt_file"
+            # bytes decoded, not read_text: its newlines stay as they are (\r\n too); utf-8-sig:
+            # a byte-order mark that starts the file (Windows editors write one) is not text,
+            # as data.paths reads it
+            try:
+                text, key = path.read_bytes().decode("utf-8-sig"), "prompt_file"
             except UnicodeDecodeError as error:
                 raise ValueError(
                     f"prompt_file={self.prompt_file} is not UTF-8 text ({error.reason}): save "

@@ -239,6 +239,14 @@ def test_a_prompt_file_is_the_prompt_byte_for_byte(tmp_path):
     )
 
 
+def test_a_prompt_files_byte_order_mark_is_not_text(tmp_path):
+    (tmp_path / "bom.txt").write_bytes("\ufeffROMEO:\r\n".encode())
+    assert Inputs(prompt_file=str(tmp_path / "bom.txt")).prompt_text() == "ROMEO:\r\n"
+    (tmp_path / "only_bom.txt").write_bytes("\ufeff".encode())
+    with pytest.raises(ValueError, match=r"^prompt_file gave an empty prompt"):
+        Inputs(prompt_file=str(tmp_path / "only_bom.txt")).prompt_text()
+
+
 def test_an_attention_plot_that_cannot_be_written_fails_before_anything_loads(tmp_path):
     (tmp_path / "maps.png").mkdir()
     with pytest.raises(ValueError) as error:
