@@ -117,7 +117,7 @@ class Inputs:
                     "it as UTF-8"
                 ) from None
         elif self.prompt == "-":
-            text, key = sys.stdin.read(), "prompt=- (stdin)"
+            text, key = sys.stdin.read().removeprefix("\ufeff"), "prompt=- (stdin)"
         else:
             return "\n" if self.prompt is None else self.prompt
         if not text:

@@ -239,9 +239,11 @@ def test_a_prompt_file_is_the_prompt_byte_for_byte(tmp_path):
     )
 
 
-def test_a_prompt_files_byte_order_mark_is_not_text(tmp_path):
+def test_a_prompt_files_byte_order_mark_is_not_text(tmp_path, monkeypatch):
     (tmp_path / "bom.txt").write_bytes("\ufeffROMEO:\r\n".encode())
     assert Inputs(prompt_file=str(tmp_path / "bom.txt")).prompt_text() == "ROMEO:\r\n"
+    monkeypatch.setattr("sys.stdin", open(tmp_path / "bom.txt", encoding="utf-8", newline=""))
+    assert Inputs(prompt="-").prompt_text() == "ROMEO:\r\n"  # piped the same way
     (tmp_path / "only_bom.txt").write_bytes("\ufeff".encode())
     with pytest.raises(ValueError, match=r"^prompt_file gave an empty prompt"):
         Inputs(prompt_file=str(tmp_path / "only_bom.txt")).prompt_text()
