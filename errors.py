@@ -39,6 +39,11 @@ def exit_on_user_error(
         sys.exit(1)
 
 
+def override_key(override: str) -> str:
+    """The key a command-line override sets: `a.b` of `a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def exit_on_broken_pipe() -> NoReturn:
     """End a command whose stdout reader stopped early (`| head`): it has what it wanted, so no
     traceback, and the status of a process that SIGPIPE ended, as other tools of a pipeline."""

@@ -27,7 +27,14 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from data.files import disk_full_cause, write_text_atomic
-from data.lm_text import LMDataConfig, TokenBlocks, eval_documents, token_stream, whole_batch
+from data.lm_text import (
+    TOKENIZER_OPTIONS,
+    LMDataConfig,
+    TokenBlocks,
+    eval_documents,
+    token_stream,
+    whole_batch,
+)
 from data.metrics import character_error_rate
 from data.seq2seq_text import (
     IGNORE_INDEX,
@@ -46,6 +53,7 @@ from errors import (
     config_from,
     exit_on_broken_pipe,
     exit_on_user_error,
+    override_key,
 )
 from kinds import KINDS, ModelKind
 from model.checkpoint import (
@@ -100,6 +108,14 @@ def data_config(
         raise ValueError(
             f"data={choice} is data for the other kind of model and {shown} is {kind.label}: "
             f"score it on {kind.eval_data_choices}, or leave data= out for its validation split"
+        )
+    given = {override_key(o) for o in HydraConfig.get().overrides.task}
+    tokenizer_option = next((key for key in TOKENIZER_OPTIONS if key in given), None)
+    if tokenizer_option is not None:
+        raise ValueError(
+            f"{tokenizer_option}={OmegaConf.select(cfg, tokenizer_option)}: evaluate.py scores "
+            f"{shown} with its own tokenizer, the one its weights were trained with; drop "
+            f"{tokenizer_option}"
         )
     with open_dict(cfg):
         cfg.model = hparams["model"]  # what ${model.block_size} and the like read

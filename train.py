@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
 from data.tokenizer import tokenizer_from_dict
-from errors import exit_on_user_error
+from errors import exit_on_user_error, override_key
 from training.attention_maps import finish_maps, finish_maps_later
 from training.checkpoint_io import DurableCheckpointIO, claim_run_dir
 from training.failures import (
@@ -48,7 +48,6 @@ from training.resume import (
     ResumeState,
     StopSignals,
     hydra_record_dir,
-    override_key,
     refused_leaves_no_record,
     resume_run_dir,
 )

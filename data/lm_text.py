@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when text is read
 
 SOURCES = ("shakespeare", "text_files", "hub")
 TOKENIZERS = ("char", "bpe")
+# The options that pick, train or load a tokenizer: a trained model's own tokenizer overrules them
+TOKENIZER_OPTIONS = ("data.tokenizer_file", "data.tokenizer", "data.bpe_vocab_size")
 SPLITS = ("validation", "test")  # what evaluate.py's data.split may ask for
 DOCUMENT_SEPARATOR = "\n\n"  # between documents in the token stream, as between paragraphs
 BATCH_ROWS = 1000  # documents per batch read from a `datasets` dataset

@@ -15,13 +15,12 @@ from hydra import compose
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from data.lm_text import TOKENIZER_OPTIONS
+from errors import override_key
 from kinds import kind_of
 from model.checkpoint import find_checkpoint, load_checkpoint, weights_mismatch
-from training.resume import Resume, flatten, override_key
+from training.resume import Resume, flatten
 from training.summary import print_once
-
-# The data options that pick or train a tokenizer
-TOKENIZER_OPTIONS = ("data.tokenizer", "data.bpe_vocab_size")
 
 
 @dataclass
@@ -69,8 +68,8 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
         return resume, None
     # The weights come with the tokenizer they were trained with: another would be ignored.
     chosen = [k for k in TOKENIZER_OPTIONS if k in keys]
-    if cfg.data.get("tokenizer_file") is not None:
-        chosen = ["data.tokenizer_file", *chosen]
+    if cfg.data.get("tokenizer_file") is not None and "data.tokenizer_file" not in keys:
+        chosen = ["data.tokenizer_file", *chosen]  # a data config's own
     if chosen:
         key = chosen[0]
         raise ValueError(

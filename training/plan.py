@@ -9,7 +9,15 @@ from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator, XLAA
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from errors import check, check_int, check_known, check_seed, config_from, is_number
+from errors import (
+    check,
+    check_int,
+    check_known,
+    check_seed,
+    config_from,
+    is_number,
+    override_key,
+)
 from kinds import ModelKind, kind_of
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
@@ -18,7 +26,7 @@ from training.failures import instantiate_checked, target_of
 from training.guard import check_nonfinite_action
 from training.init_from import InitFrom, prepare_init
 from training.module import OptimConfig
-from training.resume import Resume, override_key, prepare_resume
+from training.resume import Resume, prepare_resume
 from training.sweep import in_sweep
 
 # torch.compile's modes (compile_mode=)

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizer import BPETokenizer, CharTokenizer
+from errors import override_key
 from kinds import KINDS, kind_of
 from model.checkpoint import find_checkpoint, load_safely
 from training.failures import TRAIN_ERRORS
@@ -101,10 +102,6 @@ def discard_command_record() -> None:
     hydra = HydraConfig.get()
     if hydra.output_subdir and hydra.output_subdir.startswith(".hydra/resume-"):
         shutil.rmtree(Path(hydra.runtime.output_dir) / hydra.output_subdir, ignore_errors=True)
-
-
-def override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def resumed_overrides(original: list[str], given: list[str]) -> list[str]:
