@@ -5,17 +5,18 @@ import shutil
 
 import pytest
 import torch
+from hydra import compose, initialize
 
 from helpers import run_training
 from model.checkpoint import find_checkpoint
-
-pytestmark = pytest.mark.slow
+from training.init_from import override_value
 
 
 def saved(path) -> dict:
     return torch.load(path, weights_only=True)
 
 
+@pytest.mark.slow
 def test_a_run_starts_from_the_weights_it_is_given_and_resumes_without_them(
     tmp_path, trained_run, shared_cache
 ):
@@ -61,6 +62,7 @@ def test_a_run_starts_from_the_weights_it_is_given_and_resumes_without_them(
     assert second["hyper_parameters"]["tokenizer"] == original["hyper_parameters"]["tokenizer"]
 
 
+@pytest.mark.slow
 def test_a_run_starts_from_an_export(tmp_path, trained_run, shared_cache):
     """An export directory (weights and settings, no training state) starts a run too, in
     either format."""
@@ -84,3 +86,14 @@ def test_a_run_starts_from_an_export(tmp_path, trained_run, shared_cache):
         original = saved(find_checkpoint(trained_run, "best", "ckpt"))["state_dict"]
         for key, value in original.items():
             assert torch.equal(weights[key], value), (export_format, key)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, True, False, 0, 4, 0.1, 1e-05, "learned", "1/sqrt_dk", "it's", "a\\b", "a\\'b", "b\\"],
+)
+def test_a_model_setting_reads_back_from_its_override_as_it_was(value):
+    with initialize(version_base="1.3", config_path="../configs"):
+        cfg = compose("train", overrides=[f"++model.attention.scale={override_value(value)}"])
+    assert cfg.model.attention.scale == value
+    assert type(cfg.model.attention.scale) is type(value)

@@ -7,6 +7,7 @@ The model's settings become overrides of the new run (`++model.n_layer=4 ...`, b
 command's own), so the run's config, recorded in its checkpoints, says what it trains, and a
 later resume of it composes the same model without reading the source again."""
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,11 +68,8 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
             )
         return resume, None
     # The weights come with the tokenizer they were trained with: another would be ignored.
-    chosen = [k for k in TOKENIZER_OPTIONS if k in keys]
-    if cfg.data.get("tokenizer_file") is not None and "data.tokenizer_file" not in keys:
-        chosen = ["data.tokenizer_file", *chosen]  # a data config's own
-    if chosen:
-        key = chosen[0]
+    key = next((key for key in TOKENIZER_OPTIONS if key in keys), None)
+    if key is not None:
         raise ValueError(
             f"{key}={OmegaConf.select(cfg, key)}: init_from={source} brings its own "
             f"tokenizer, which its weights were trained with; drop {key}"
@@ -110,4 +108,7 @@ def override_value(value: object) -> str:
         return str(value).lower()
     if isinstance(value, int | float):
         return repr(value)
-    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # In Hydra's quoted strings a backslash escapes only a quote, or backslashes before a quote
+    # or the closing one: double those, escape the quotes, leave any other backslash as it is.
+    escaped = re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), str(value))
+    return f"'{escaped}'"
