@@ -97,3 +97,24 @@ def test_a_model_setting_reads_back_from_its_override_as_it_was(value):
         cfg = compose("train", overrides=[f"++model.attention.scale={override_value(value)}"])
     assert cfg.model.attention.scale == value
     assert type(cfg.model.attention.scale) is type(value)
+
+
+@pytest.mark.slow
+def test_a_command_with_ckpt_path_last_starts_from_the_weights_then_continues(
+    tmp_path, trained_run, shared_cache
+):
+    """`init_from=... ckpt_path=last`, the command a pre-empted job repeats: the first start
+    begins from init_from's weights, a later one continues the run it started."""
+    run = tmp_path / "fine_tuned"
+    command = [
+        f"init_from={trained_run}",
+        "ckpt_path=last",
+        "trainer.limit_val_batches=1",
+        "logger=none",
+        f"hydra.run.dir={run}",
+    ]
+    for steps in (1, 2):
+        result = run_training(shared_cache, *command, f"trainer.max_steps={steps}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert saved(run / "checkpoints" / "last.ckpt")["global_step"] == steps
+    assert "resuming from" in result.stdout

@@ -61,7 +61,9 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
     if source is None:
         return resume, None
     if resume.path is not None:
-        if "init_from" in keys:
+        # ckpt_path=last continues the run once it has a checkpoint: a command a pre-empted job
+        # repeats starts from init_from's weights the first time, and continues after that.
+        if "init_from" in keys and not asks_for_last(given):
             raise ValueError(
                 f"init_from={source} starts a new run from a model's weights and "
                 f"ckpt_path={resume.path} continues a run: give one of them"
@@ -97,6 +99,11 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
     print_once(f"init_from: starting from the weights and tokenizer of {path}")
     init = InitFrom(str(source), path, hparams["tokenizer"], model.state_dict())
     return Resume(cfg, overrides), init
+
+
+def asks_for_last(given: list[str]) -> bool:
+    """Whether this command's overrides `given` hold ckpt_path=last."""
+    return any(override_key(o) == "ckpt_path" and o.split("=", 1)[1] == "last" for o in given)
 
 
 def override_value(value: object) -> str:
