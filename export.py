@@ -10,6 +10,7 @@ tokenizer.json + tinyformer_tokenizer.json (the tokenizer, as a run directory ho
 format=hf also transformers' tokenizer_config.json and generation_config.json.
 """
 
+import glob
 import importlib.util
 import json
 import os
@@ -114,13 +115,36 @@ def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
     check_writable(out / EXPORT_CONFIG if out.is_dir() else out, f"out={out}", unwritable)
 
 
-def staging_dir(out: Path) -> Path:
+def staging_dir(out: Path, pid: int | str | None = None) -> Path:
     """Where the export is written before it is moved to `out`: on the disk of `out`'s files,
     so that each move is a rename. Beside a new `out`; inside an existing one, which may be
-    the mount point of another disk than its parent's."""
+    the mount point of another disk than its parent's. `pid`: the export's process (this one
+    by default; "*" for a glob of any)."""
+    pid = os.getpid() if pid is None else pid
     if out.is_dir():
-        return out / f".export.{os.getpid()}.tmp"
-    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        return out / f".export.{pid}.tmp"
+    return out.with_name(f".{glob.escape(out.name) if pid == '*' else out.name}.{pid}.tmp")
+
+
+def remove_killed_staging(out: Path) -> None:
+    """Remove the staging directories of `out` that exports killed before their end left: inside
+    an existing `out`, one would make an empty `out` look not empty (and be refused) and stay
+    in an export. A running export's (its process still there) is left to it."""
+    pattern = staging_dir(out, "*")
+    for path in pattern.parent.glob(pattern.name):
+        pid = path.name.split(".")[-2]
+        if pid.isdigit() and not process_runs(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def publish(staging: Path, out: Path) -> None:
@@ -204,6 +228,7 @@ def export(options: ExportOptions) -> Path:
     """Write the export of options.ckpt to options.out; return the checkpoint exported."""
     checkpoint = find_checkpoint(options.ckpt, "best", "ckpt")
     out = Path(options.out).expanduser().resolve()  # out=. has no name to put a sibling by
+    remove_killed_staging(out)
     check_out(out, checkpoint, options.overwrite)
     model, hparams = load_checkpoint(checkpoint)
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])

@@ -5,6 +5,7 @@ never loses a file it was not asked to replace."""
 import json
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -427,3 +428,28 @@ def test_an_export_that_fills_the_disk_is_one_line_and_leaves_nothing(tmp_path):
             f"written to {out}): free some space, or give out= on another disk"
         )
         assert list(disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["empty", "earlier-export"])
+def test_what_a_killed_export_left_inside_out_is_removed(tmp_path, earlier):
+    # A killed export leaves its staging directory inside an existing out: an empty out was
+    # then refused as 'not empty', and an earlier export kept the leftover for good.
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    out = tmp_path / "export"
+    if earlier:
+        exported(checkpoint, out)
+    else:
+        out.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid, of a process no longer there, names the killed export's folder
+    leftover = out / f".export.{gone.pid}.tmp"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    exported(checkpoint, out)
+    assert load(out)[1]["kind"] == "gpt"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tinyformer_tokenizer.json",
+        "tokenizer.json",
+    ]
