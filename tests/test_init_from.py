@@ -5,9 +5,8 @@ import shutil
 
 import pytest
 import torch
-from hydra import compose, initialize
 
-from helpers import run_training
+from helpers import composed, run_training
 from model.checkpoint import find_checkpoint
 from training.init_from import override_value
 
@@ -88,17 +87,6 @@ def test_a_run_starts_from_an_export(tmp_path, trained_run, shared_cache):
             assert torch.equal(weights[key], value), (export_format, key)
 
 
-@pytest.mark.parametrize(
-    "value",
-    [None, True, False, 0, 4, 0.1, 1e-05, "learned", "1/sqrt_dk", "it's", "a\\b", "a\\'b", "b\\"],
-)
-def test_a_model_setting_reads_back_from_its_override_as_it_was(value):
-    with initialize(version_base="1.3", config_path="../configs"):
-        cfg = compose("train", overrides=[f"++model.attention.scale={override_value(value)}"])
-    assert cfg.model.attention.scale == value
-    assert type(cfg.model.attention.scale) is type(value)
-
-
 @pytest.mark.slow
 def test_a_command_with_ckpt_path_last_starts_from_the_weights_then_continues(
     tmp_path, trained_run, shared_cache
@@ -118,3 +106,35 @@ def test_a_command_with_ckpt_path_last_starts_from_the_weights_then_continues(
         assert result.returncode == 0, result.stderr[-3000:]
         assert saved(run / "checkpoints" / "last.ckpt")["global_step"] == steps
     assert "resuming from" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        3,
+        0.1,
+        1e-05,
+        float("inf"),
+        "learned",
+        "1/sqrt_dk",
+        "it's",
+        "a\\b",
+        "a\\",
+        "a\\'b",
+        "${seed}",
+        "\\${seed}",
+        "",
+        "1.0",
+        "null",
+        "a,b",
+        "x=y",
+    ],
+)
+def test_a_model_setting_comes_back_from_its_override_as_it_was(value):
+    """A source's model settings become overrides of the new run: each is read back, by Hydra's
+    grammar and OmegaConf, as the value it was, never as an interpolation or an escape."""
+    cfg = composed(f"++model.position={override_value(value)}")
+    got = cfg.model.position
+    assert got == value and type(got) is type(value)

@@ -107,15 +107,16 @@ def asks_for_last(given: list[str]) -> bool:
 
 
 def override_value(value: object) -> str:
-    """`value` as Hydra's override grammar reads it back: null, true/false, a number, or a
-    quoted string (a position name, a scale such as 1/sqrt_dk)."""
+    """`value` as Hydra's override grammar and OmegaConf read it back: null, true/false, a
+    number, or a quoted string (a position name, a scale such as 1/sqrt_dk) taken as written."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, int | float):
         return repr(value)
-    # In Hydra's quoted strings a backslash escapes only a quote, or backslashes before a quote
-    # or the closing one: double those, escape the quotes, leave any other backslash as it is.
-    escaped = re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), str(value))
-    return f"'{escaped}'"
+    # OmegaConf would resolve "${...}" as an interpolation: escaped, it is text.
+    text = re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", str(value))
+    # In a quoted value Hydra reads a backslash as an escape only before a quote or the end.
+    text = re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text)
+    return f"'{text}'"
