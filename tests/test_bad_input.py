@@ -206,7 +206,16 @@ CASES = [
     ("init_from_another_shape", "train.py", ["init_from={run}", "model.n_layer=3"],
      "error: init_from={run}: its weights do not fit this run's model"),
     ("init_from_another_position_scheme", "train.py", ["init_from={run}", "model.position=rope"],
-     "error: init_from={run}: its weights do not fit this run's model"),
+     "error: init_from={run}: model.position='rope' (the source's: 'learned') changes what its "
+     "weights compute"),
+    # the weights' shapes kept, but not what they compute
+    ("init_from_another_head_split", "train.py", ["init_from={run}", "model.attention.n_head=2"],
+     "error: init_from={run}: model.attention.n_head=2 (the source's: 4) changes what its "
+     "weights compute; drop those model.* overrides to start from the source's model"),
+    ("init_from_another_attention_scale", "train.py",
+     ["init_from={run}", "model.attention.scale=1.0"],
+     "error: init_from={run}: model.attention.scale=1.0 (the source's: null) changes what its "
+     "weights compute"),
     ("init_from_and_ckpt_path", "train.py", ["init_from={run}", "ckpt_path={run}"],
      "error: init_from={run} starts a new run from a model's weights and ckpt_path="),
     ("init_from_with_a_tokenizer_file", "train.py",

@@ -20,6 +20,7 @@ from data.lm_text import TOKENIZER_OPTIONS
 from errors import override_key
 from kinds import kind_of
 from model.checkpoint import find_checkpoint, load_checkpoint, weights_mismatch
+from model.gpt import GPTConfig
 from training.resume import Resume, flatten
 from training.summary import print_once
 
@@ -31,12 +32,38 @@ class InitFrom:
 
     given: str
     path: Path
+    model: GPTConfig
     tokenizer: dict
     weights: dict[str, torch.Tensor] = field(repr=False)
 
     @property
     def option(self) -> str:
         return f"init_from={self.given}"
+
+    def check_model(self, model: GPTConfig) -> None:
+        """The run's model, `model`, must compute what the weights were trained to: a change of
+        the heads' split, the position scheme or the attention's scale keeps (most of) their
+        shapes, so the weights would load and the run start from another model than the
+        source's. Shape changes are refused as the weights load."""
+        source = self.model
+        changed = [
+            f"model.{name}={override_value(new)} (the source's: {override_value(old)})"
+            for name, old, new in (
+                ("attention.n_head", source.attention.n_head, model.attention.n_head),
+                ("position", source.position, model.position),
+                ("attention.scale", source.attention.scale, model.attention.scale),
+            )
+            if old != new
+        ]
+        # The scale as a factor: null and 1/sqrt_dk are the same (heads of the same size here)
+        head_dim = source.n_embd // source.attention.n_head
+        if source.attention.scale_for(head_dim) == model.attention.scale_for(head_dim):
+            changed = [c for c in changed if not c.startswith("model.attention.scale=")]
+        if changed:
+            raise ValueError(
+                f"{self.option}: {'; '.join(changed)} changes what its weights compute; drop "
+                "those model.* overrides to start from the source's model"
+            )
 
     def load_into(self, model: torch.nn.Module) -> None:
         """Copy the weights into `model`, the run's own, built from the same settings unless an
@@ -97,7 +124,7 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
             f"overrides ({' '.join(str(error).split())})"
         ) from None
     print_once(f"init_from: starting from the weights and tokenizer of {path}")
-    init = InitFrom(str(source), path, hparams["tokenizer"], model.state_dict())
+    init = InitFrom(str(source), path, model.config, hparams["tokenizer"], model.state_dict())
     return Resume(cfg, overrides), init
 
 

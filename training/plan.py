@@ -108,10 +108,13 @@ def check_options(cfg: DictConfig) -> Plan:
     check_data_follows_model(kind, cfg.model, cfg.data)
     if kind.name == "encdec":
         check_no_sample_options(resume.overrides)
+    model = instantiate_checked(cfg.model)
+    if init:
+        init.check_model(model)
     return Plan(
         resume,
         kind,
-        model=instantiate_checked(cfg.model),
+        model=model,
         optim=config_from(OptimConfig, cfg.optim, "optim.", "optim"),
         sample=end_of_run_sample(
             OmegaConf.to_container(cfg.sample, resolve=True),
