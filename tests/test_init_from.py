@@ -138,3 +138,21 @@ def test_a_model_setting_comes_back_from_its_override_as_it_was(value):
     cfg = composed(f"++model.position={override_value(value)}")
     got = cfg.model.position
     assert got == value and type(got) is type(value)
+
+
+@pytest.mark.slow
+def test_init_from_with_ckpt_path_is_refused_before_any_resume_is_announced(
+    tmp_path, trained_run, shared_cache
+):
+    result = run_training(
+        shared_cache,
+        f"init_from={trained_run}",
+        f"ckpt_path={trained_run}",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 1 and result.stdout == "", result.stdout
+    assert result.stderr.splitlines() == [
+        f"error: init_from={trained_run} starts a new run from a model's weights and "
+        f"ckpt_path={trained_run} continues a run: give one of them"
+    ]

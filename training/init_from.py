@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from hydra import compose
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from data.lm_text import TOKENIZER_OPTIONS
 from errors import override_key
@@ -87,14 +87,7 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
     keys = {override_key(o) for o in given}
     if source is None:
         return resume, None
-    if resume.path is not None:
-        # ckpt_path=last continues the run once it has a checkpoint: a command a pre-empted job
-        # repeats starts from init_from's weights the first time, and continues after that.
-        if "init_from" in keys and not asks_for_last(given):
-            raise ValueError(
-                f"init_from={source} starts a new run from a model's weights and "
-                f"ckpt_path={resume.path} continues a run: give one of them"
-            )
+    if resume.path is not None:  # see check_starts_or_continues
         return resume, None
     # The weights come with the tokenizer they were trained with: another would be ignored.
     key = next((key for key in TOKENIZER_OPTIONS if key in keys), None)
@@ -128,9 +121,17 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
     return Resume(cfg, overrides), init
 
 
-def asks_for_last(given: list[str]) -> bool:
-    """Whether this command's overrides `given` hold ckpt_path=last."""
-    return any(override_key(o) == "ckpt_path" and o.split("=", 1)[1] == "last" for o in given)
+def check_starts_or_continues(cfg: DictConfig, given: list[str]) -> None:
+    """init_from, among this command's overrides `given`, starts a run and ckpt_path continues
+    one: both are refused, before the checkpoint is read (and its resume announced). But
+    ckpt_path=last continues the run once it has a checkpoint: a command a pre-empted job
+    repeats starts from init_from's weights the first time, and continues after that."""
+    ckpt_path = cfg.get("ckpt_path")
+    if "init_from" in {override_key(o) for o in given} and ckpt_path and ckpt_path != "last":
+        raise ValueError(
+            f"init_from={cfg.init_from} starts a new run from a model's weights and "
+            f"ckpt_path={ckpt_path} continues a run: give one of them"
+        )
 
 
 def override_value(value: object) -> str:

@@ -24,7 +24,7 @@ from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
 from training.failures import instantiate_checked, target_of
 from training.guard import check_nonfinite_action
-from training.init_from import InitFrom, prepare_init
+from training.init_from import InitFrom, check_starts_or_continues, prepare_init
 from training.module import OptimConfig
 from training.resume import Resume, prepare_resume
 from training.sweep import in_sweep
@@ -84,6 +84,7 @@ def check_options(cfg: DictConfig) -> Plan:
     the checkpoint's run's under this command's overrides, given init_from, this command's
     under the model settings of the weights it starts from."""
     given = HydraConfig.get().overrides.task
+    check_starts_or_continues(cfg, given)
     resume, init = prepare_init(prepare_resume(cfg, given, in_sweep()), given)
     cfg = resume.cfg
     check_seed("seed", cfg.seed)
