@@ -37,6 +37,15 @@ def build_model(kind: str, config: dict) -> GPT | EncoderDecoder:
     return model_class(config_class.from_dict(config))
 
 
+def build_saved_model(kind: str, config: dict, path: Path) -> GPT | EncoderDecoder:
+    """build_model for the config saved in `path`, whose refusal (a setting this version does
+    not know, a value it does not take) names the file, which the config's own message cannot."""
+    try:
+        return build_model(kind, config)
+    except ValueError as error:
+        raise ValueError(f"{path} holds a model this version cannot build: {error}") from None
+
+
 def load_safely(
     path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False
 ) -> dict[str, Any]:
@@ -201,7 +210,7 @@ def load_checkpoint(path: Path, key: str = "ckpt") -> tuple[GPT | EncoderDecoder
         hparams, state = checkpoint["hyper_parameters"], checkpoint["state_dict"]
         if "tokenizer" not in hparams:
             raise KeyError("tokenizer")
-        model = build_model(hparams.get("kind", "gpt"), hparams["model"])
+        model = build_saved_model(hparams.get("kind", "gpt"), hparams["model"], path)
     except (KeyError, TypeError) as error:
         raise ValueError(
             f"{path} is not a tinyformer checkpoint ({type(error).__name__}: {error}); point "
@@ -237,7 +246,7 @@ def load_export(folder: Path, key: str = "ckpt") -> tuple[GPT | EncoderDecoder, 
     """(model in eval mode, its record) from an export directory; the record has the keys of a
     checkpoint's hyper-parameters that load_checkpoint names."""
     record = export_record(folder, key)
-    model = build_model(record["kind"], record["model"])
+    model = build_saved_model(record["kind"], record["model"], folder / EXPORT_CONFIG)
     weights_file = folder / EXPORT_WEIGHTS
     try:
         if record["format"] == "hf":

@@ -316,6 +316,11 @@ CASES = [
     ("resume_damaged_checkpoint", "train.py",
      ["ckpt_path={tmp}/damaged/checkpoints/last.ckpt", "trainer.max_steps=100"],
      "error: {tmp}/damaged/checkpoints/last.ckpt is damaged: its archive/data/"),
+    ("generate_a_model_of_another_version", "generate.py", ["ckpt={tmp}/unknown_setting.ckpt"],
+     "error: {tmp}/unknown_setting.ckpt holds a model this version cannot build: model.foo is "
+     "not an option of GPTConfig"),
+    ("init_from_a_model_of_another_version", "train.py", ["init_from={tmp}/unknown_setting.ckpt"],
+     "error: {tmp}/unknown_setting.ckpt holds a model this version cannot build: "),
     ("generate_checkpoint_that_runs_code", "generate.py", ["ckpt={tmp}/evil.ckpt"],
      "error: {tmp}/evil.ckpt is not a readable tinyformer checkpoint"),
     ("generate_foreign_checkpoint", "generate.py", ["ckpt={tmp}/foreign.ckpt"],
@@ -428,6 +433,8 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     checkpoint = torch.load(trained_run / "checkpoints" / "last.ckpt", weights_only=True)
     checkpoint["state_dict"].pop(next(k for k in checkpoint["state_dict"] if "mlp" in k))
     torch.save(checkpoint, tmp / "missing_weight.ckpt")
+    checkpoint["hyper_parameters"]["model"]["foo"] = 1  # a setting of a later version
+    torch.save(checkpoint, tmp / "unknown_setting.ckpt")
     (tmp / "prompt.txt").write_text("ROMEO:")
     (tmp / "lines.txt").write_text("\n\n".join(f"line {i}" for i in range(300)))
     other = [f"line {i}" for i in range(300)]
