@@ -12,8 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.tokenizer import CharTokenizer
 from export import ExportOptions, export
-from helpers import SMALLEST_BASE, damage_checkpoint, read_only, run_script, write_hub_dataset
+from helpers import (
+    SMALLEST_BASE,
+    damage_checkpoint,
+    read_only,
+    run_script,
+    save_checkpoint,
+    tiny_encdec,
+    write_hub_dataset,
+)
 from training.module import LanguageModelModule
 
 # (id, script, overrides, what the message says). {tmp} is this module's folder of inputs,
@@ -236,7 +245,11 @@ CASES = [
      "error: data.tokenizer=bpe: init_from={run} brings its own tokenizer"),
     ("init_from_into_an_encdec", "train.py",
      ["init_from={run}", "model=encdec", "data=shakespeare_denoise"],
-     "error: init_from={run} starts a GPT from a GPT's weights only"),
+     "error: init_from={run} starts a GPT run, and this run trains an encoder-decoder: drop "
+     "model=encdec"),
+    ("init_from_an_encdec", "train.py", ["init_from={tmp}/encdec.ckpt"],
+     "error: init_from={tmp}/encdec.ckpt holds an encoder-decoder: init_from starts a GPT run "
+     "from a GPT's weights only"),
     ("unimportable_callback", "train.py", ["callbacks.model_checkpoint._target_=foo.Bar"],
      "error: callbacks.model_checkpoint._target_='foo.Bar' cannot be imported "
      "(ModuleNotFoundError: No module named 'foo'): give a class's import path, as configs/ do"),
@@ -435,6 +448,8 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     torch.save(checkpoint, tmp / "missing_weight.ckpt")
     checkpoint["hyper_parameters"]["model"]["foo"] = 1  # a setting of a later version
     torch.save(checkpoint, tmp / "unknown_setting.ckpt")
+    words = CharTokenizer.from_text("a b", specials=("<pad>", "<bos>", "<eos>", "<mask>"))
+    save_checkpoint(tiny_encdec(words.vocab_size), words, tmp / "encdec.ckpt")
     (tmp / "prompt.txt").write_text("ROMEO:")
     (tmp / "lines.txt").write_text("\n\n".join(f"line {i}" for i in range(300)))
     other = [f"line {i}" for i in range(300)]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.lm_text import TOKENIZER_OPTIONS
 from errors import override_key
-from kinds import kind_of
+from kinds import KINDS, kind_of
 from model.checkpoint import find_checkpoint, load_checkpoint, weights_mismatch
 from model.gpt import GPTConfig
 from training.resume import Resume, flatten
@@ -97,11 +97,19 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
             f"tokenizer, which its weights were trained with; drop {key}"
         )
     path = find_checkpoint(source, "best", "init_from")
-    model, hparams = load_checkpoint(path, "init_from")
-    if hparams.get("kind", "gpt") != "gpt" or kind_of(cfg.model).name != "gpt":
+    # GPTs only: the encoder-decoder builds its tokenizer from its data, so it takes no other
+    if kind_of(cfg.model).name != "gpt":
         raise ValueError(
-            f"init_from={source} starts a GPT from a GPT's weights only (the encoder-decoder "
-            "builds its tokenizer from its data); give a GPT run, and drop model=encdec"
+            f"init_from={source} starts a GPT run, and this run trains "
+            f"{kind_of(cfg.model).label}: drop model=encdec"
+        )
+    model, hparams = load_checkpoint(path, "init_from")
+    saved_kind = hparams.get("kind", "gpt")
+    if saved_kind != "gpt":
+        label = KINDS[saved_kind].label if saved_kind in KINDS else f"a {saved_kind} model"
+        raise ValueError(
+            f"init_from={source} holds {label}: init_from starts a GPT run from a GPT's "
+            "weights only (an encoder-decoder builds its tokenizer from its data); give a GPT run"
         )
     settings = [
         f"++model.{name}={override_value(value)}"
