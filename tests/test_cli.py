@@ -87,6 +87,24 @@ def test_offline_wandb_run_config_is_the_run_config_and_its_summary_the_best(tra
 
 
 @pytest.mark.slow
+def test_summary_history_holds_what_the_loggers_got_at_each_step(trained_run):
+    """summary.json's training rows hold the values W&B got at the same step, the throughput
+    too (the run history read it before the module logged the step's: one log late, and the
+    last one never)."""
+    logged = [
+        (row["train/loss"], row.get("train/tokens_per_sec"))
+        for row in history(trained_run)
+        if "train/loss" in row
+    ]
+    rows = json.loads((trained_run / "summary.json").read_text())["history"]
+    kept = [
+        (row["train/loss"], row.get("train/tokens_per_sec")) for row in rows if "train/loss" in row
+    ]
+    assert len(kept) == 8 and all(rate is not None for _, rate in logged)  # every 10 steps
+    assert kept == logged
+
+
+@pytest.mark.slow
 def test_a_run_prints_what_a_user_needs_and_no_library_noise(trained_run):
     stdout = (trained_run / "stdout.txt").read_text()
     output = stdout + (trained_run / "stderr.txt").read_text()

@@ -305,11 +305,13 @@ def test_throughput_counts_each_steps_real_tokens_on_every_rank(monkeypatch, kin
     # training.module's clock only: the process's own time.perf_counter stays for everyone else
     monkeypatch.setattr("training.module.time", SimpleNamespace(perf_counter=lambda: next(clock)))
     module.trainer = SimpleNamespace(world_size=2, log_every_n_steps=2, global_step=0, max_steps=10)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
     rates = []
     for step in range(4):
         module.trainer.global_step = step
         module.training_step(batch, step)
-        module.trainer.global_step = step + 1  # the optimizer stepped
+        module.optimizer_step(0, step, optimizer)
+        module.trainer.global_step = step + 1  # Lightning counts the step once it is taken
         module.on_train_batch_end(None, batch, step)
         rates.append(logged.pop("train/tokens_per_sec", None))
     # the window opens at step 1's end; step 2 adds 1 s, steps 3 and 4 add 3 s
@@ -324,20 +326,23 @@ def test_throughput_is_logged_once_a_step_when_batches_accumulate(monkeypatch):
     logged = []
     monkeypatch.setattr(module, "log", lambda name, value, **_: logged.append((name, value)))
     monkeypatch.setattr(module, "lr_schedulers", lambda: SimpleNamespace(get_last_lr=lambda: [1]))
-    clock = iter([10.0, 10.5, 11.0, 11.5, 12.0, 12.5, 13.0, 14.0])  # the ends of 8 batches
+    clock = iter([10.0, 11.5, 12.0, 14.0])  # the ends of 4 steps
     monkeypatch.setattr("training.module.time", SimpleNamespace(perf_counter=lambda: next(clock)))
     module.trainer = SimpleNamespace(world_size=1, log_every_n_steps=2, global_step=0, max_steps=9)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
     rates = []
     for batch_idx in range(8):  # two batches a step: the optimizer steps after every second
         module.trainer.global_step = batch_idx // 2
         module.training_step(batch, batch_idx)
+        if batch_idx % 2 == 1:
+            module.optimizer_step(0, batch_idx, optimizer)
         module.trainer.global_step = (batch_idx + 1) // 2
         module.on_train_batch_end(None, batch, batch_idx)
         rates += [value for name, value in logged if name == "train/tokens_per_sec"]
         logged.clear()
-    # the window opens at the first batch's end; step 2 ends 1.5 s and 3 batches later, step 4
+    # the window opens at the first step's end; step 2 ends 1.5 s and 2 batches later, step 4
     # 2.5 s and 4 batches after that
-    assert rates == [pytest.approx(3 * 8 / 1.5), pytest.approx(4 * 8 / 2.5)]
+    assert rates == [pytest.approx(2 * 8 / 1.5), pytest.approx(4 * 8 / 2.5)]
 
 
 def test_a_steps_gradients_so_far_are_saved_and_come_back_to_their_rank(monkeypatch):

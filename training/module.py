@@ -121,7 +121,6 @@ class TrainingModule(L.LightningModule):
         self.best_val_loss = math.inf  # the lowest finite val/loss so far, kept in checkpoints
         self._window_start: float | None = None  # when the current throughput window began
         self._window_tokens = 0
-        self._window_logged_at = -1  # the step of the last throughput logged
         self._step_loss: Tensor | None = None
         self._trainable: list[Tensor] | None = None
         self._update_guard = UpdateGuard()
@@ -144,7 +143,7 @@ class TrainingModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss, _, tokens = self.loss(batch)
-        self._batch_tokens = tokens
+        self._window_tokens += tokens * self.trainer.world_size
         self._step_loss = loss.detach()
         # Only the steps whose values reach the loggers log: on a small model, logging every
         # step costs several percent of the step time.
@@ -162,19 +161,21 @@ class TrainingModule(L.LightningModule):
         # that asks the run to stop, and max_steps would stop it there anyway.
         if 0 < self.trainer.max_steps <= self.global_step:
             self.trainer.should_stop = True
-        # Throughput over the steps since the last log, from one step's end to another's: data
-        # loading, forward, backward, optimizer and callbacks, on every rank together.
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # Throughput over the steps since the last log, from one update's end to another's: data
+        # loading, forward, backward, optimizer and callbacks, on every rank together. Logged
+        # here, once a step however many batches accumulate, and not at the batch's end: the
+        # callbacks' on_train_batch_end (the run history behind summary.json) runs before the
+        # module's, and would read the value of the log before.
         now = time.perf_counter()
         if self._window_start is None:
             self._window_start, self._window_tokens = now, 0
             return
-        self._window_tokens += self._batch_tokens * self.trainer.world_size
-        # Once a step: where batches accumulate, the step stays the same over several batches.
-        step = self.global_step
-        if step % self.trainer.log_every_n_steps == 0 and step != self._window_logged_at:
+        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:  # the step it ends
             self.log("train/tokens_per_sec", self._window_tokens / (now - self._window_start))
             self._window_start, self._window_tokens = now, 0
-            self._window_logged_at = step
 
     def on_after_backward(self) -> None:
         self._unapplied_gradients = True
