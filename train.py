@@ -24,6 +24,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -139,11 +140,15 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
         logger.start_in_background()  # released after the first training step
     uploads = any(logger.uploads_checkpoints for logger in wandb_loggers)
     ours = [ResumeState(), ExactRestart(), stop, ReleaseWandbStart(wandb_loggers), *trial_pruning()]
+    # Without a checkpoint callback (~callbacks.model_checkpoint), Lightning would add its own,
+    # whose epoch=...-step=....ckpt files neither a resume nor generate.py looks for: none.
+    saves = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     trainer = instantiate_checked(
         plan.cfg.trainer,
         callbacks=[*callbacks, *ours],
         logger=loggers or False,
         plugins=[DurableCheckpointIO(background=not uploads)],
+        **({} if saves else {"enable_checkpointing": False}),
     )
     check_not_ddp_in_sweep(trainer.world_size)
     finish_maps_later(callbacks)  # after the end-of-run printout: see fit()

@@ -250,6 +250,18 @@ def test_csv_logger_run_saves_attention_pngs(tmp_path, shared_cache):
     assert not (tmp_path / "wandb").exists()
 
 
+def test_a_run_without_the_checkpoint_callback_writes_no_checkpoints(tmp_path, shared_cache):
+    """~callbacks.model_checkpoint: no checkpoint, rather than Lightning's own in its stead,
+    whose epoch=0-step=4.ckpt the printed generate.py command and a resume did not find."""
+    steps = ["trainer.max_steps=4", "trainer.val_check_interval=2"]
+    overrides = [*SMALLEST, *steps, "~callbacks.model_checkpoint", f"hydra.run.dir={tmp_path}"]
+    result = run_script("train.py", *overrides, cache_dir=shared_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(tmp_path.rglob("*.ckpt")) == []
+    assert "generate.py" not in result.stdout
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+
+
 @pytest.mark.slow
 def test_padded_vocabulary_trains_and_samples_real_tokens_only(tmp_path, shared_cache):
     overrides = [*TINY, "trainer.max_steps=20", "logger=none", "model.vocab_size=128"]
