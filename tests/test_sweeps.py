@@ -8,6 +8,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
@@ -15,6 +16,7 @@ from hydra.utils import instantiate
 import report
 from helpers import ROOT, SMALLEST_BASE, composed, read_only, run_script, small_disk
 from hydra_plugins.tinyformer_optuna import OptunaSweeper, dimension, resumed_sampler_seed
+from model.checkpoint import find_checkpoint
 from wandb_offline import history, run_info
 
 # A sweep's job: the smallest run, whose heads and logger the tests choose, for 12 steps.
@@ -111,6 +113,26 @@ def test_grid_runs_every_job_an_invalid_one_fails_alone_and_report_lists_them(tm
     (sweep / "2" / "summary.json").unlink()
     text = report.report(sweep)
     assert f"| 2 | 4 | {report.UNFINISHED} |" in text and "| 0 | 2 | completed |" in text
+
+
+@pytest.mark.slow
+def test_a_sweep_run_again_into_its_directory_leaves_no_earlier_checkpoint(tmp_path, cache):
+    """The same sweep directory, a shorter run: each job's directory is written anew, and its
+    best checkpoint is the new job's, not the earlier one's of a later step."""
+    sweep = tmp_path / "again"
+    for steps in (4, 2):
+        command = ["-m", "model.attention.n_head=1,2", *SMALLEST_BASE, "logger=none"]
+        command += [f"trainer.max_steps={steps}", "trainer.val_check_interval=2"]
+        command += [f"callbacks.attention_maps.every_n_steps={steps}", f"hydra.sweep.dir={sweep}"]
+        result = run_script("train.py", *command, cache_dir=cache)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for job in ("0", "1"):
+        best = find_checkpoint(sweep / job, "best", "ckpt")
+        assert torch.load(best, weights_only=True)["global_step"] == 2
+        saved = sorted(p.name for p in (sweep / job / "checkpoints").iterdir())
+        assert saved == ["best-step2.ckpt", "last.ckpt"]
+        maps = sorted(p.name for p in (sweep / job / "attention_maps").iterdir())
+        assert maps == ["layer0_attn_step000002.png"]
 
 
 def test_optuna_space_draws_n_kv_head_among_the_divisors_of_n_head():

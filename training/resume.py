@@ -234,6 +234,8 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
                 f"hydra.run.dir={cfg.paths.output_dir} already holds a run ({last}): continue "
                 f"it with ckpt_path={cfg.paths.output_dir}, or choose another hydra.run.dir"
             )
+        if last.is_file():
+            clear_earlier_job(Path(cfg.paths.output_dir))
         return Resume(cfg, given)
     check_run_dir_holds(path, Path(cfg.paths.output_dir))
     # Mapped, not read: Lightning reads the file itself, and this copy is kept through the run.
@@ -281,6 +283,16 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
             + (f" with that run's overrides: {' '.join(overrides)}" if overrides else "")
         )
     return resume
+
+
+def clear_earlier_job(job_dir: Path) -> None:
+    """A sweep run again into its hydra.sweep.dir writes each job's directory anew: the earlier
+    job's best-step<N>.ckpt would stay beside the new job's, and the newest by step, which
+    generate.py takes for the best, could be the earlier job's; its attention maps would show
+    steps this job may never reach."""
+    print_once(f"{job_dir}: removing the checkpoints and attention maps of the earlier job there")
+    for folder in ("checkpoints", "attention_maps"):
+        shutil.rmtree(job_dir / folder, ignore_errors=True)
 
 
 def check_run_dir_holds(checkpoint: Path, run_dir: Path) -> None:
