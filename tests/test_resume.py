@@ -466,6 +466,7 @@ def test_resume_trains_longer_at_a_new_learning_rate(tmp_path, cache, straight):
     shutil.copytree(straight, run_dir)
     result = run_training(cache, f"ckpt_path={run_dir}", "trainer.max_steps=60", "optim.lr=1e-3")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stderr and "is not empty" not in result.stderr  # its own
     rows = json.loads((run_dir / "summary.json").read_text())["history"]
     lr = {row["step"]: row["train/lr"] for row in rows if "train/lr" in row}
     assert sorted(lr) == [10, 20, 30, 40, 50, 60]

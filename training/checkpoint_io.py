@@ -8,6 +8,7 @@ import shutil
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -287,6 +288,14 @@ class RunCheckpoint(ModelCheckpoint):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._last_written_step = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning warns of a checkpoints/ folder that is not empty, which here is a resumed
+        # run's own: train.py refuses a new run into a folder holding a run, and a sweep job
+        # clears its earlier job's.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* is not empty")
+            super().setup(trainer, pl_module, stage)
 
     def check_monitor_top_k(self, trainer: L.Trainer, current: torch.Tensor | None = None) -> bool:
         if current is not None and not torch.isfinite(current):
