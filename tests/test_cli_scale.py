@@ -41,6 +41,8 @@ def test_ddp_cpu_run_has_one_set_of_checkpoints_and_one_wandb_run(ddp_run):
     # Printed once (by rank zero), not once per process.
     stdout = (ddp_run / "stdout.txt").read_text()
     assert stdout.count("best checkpoint:") == 1 and stdout.count("parameters;") == 1
+    # and no advice to sync validation metrics, which are reduced over the ranks already
+    assert "sync_dist" not in (ddp_run / "stderr.txt").read_text()
     saved = torch.load(ddp_run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 80
 
