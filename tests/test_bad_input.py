@@ -104,6 +104,10 @@ CASES = [
     ("unknown_mode", "train.py", ["callbacks.model_checkpoint.mode=lowest"],
      "error: callbacks.model_checkpoint.mode must be min for val/loss (its lowest is its best), "
      "got 'lowest'"),
+    # without last.ckpt, ckpt_path=last started over and a new run wrote over the best checkpoint
+    ("no_last_checkpoint", "train.py", ["callbacks.model_checkpoint.save_last=false"],
+     "error: callbacks.model_checkpoint.save_last=false: last.ckpt is what a run continues from "
+     "(ckpt_path=<run dir>, ckpt_path=last)"),
     ("early_stop_on_an_unknown_metric", "train.py",
      ["+callbacks.early_stop._target_=lightning.pytorch.callbacks.EarlyStopping",
       "+callbacks.early_stop.monitor=val/foo"],

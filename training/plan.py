@@ -22,6 +22,7 @@ from kinds import ModelKind, kind_of
 from model.encdec import EncDecConfig
 from model.gpt import GPTConfig
 from model.sampling import SamplingConfig
+from training.checkpoint_io import RunCheckpoint
 from training.failures import instantiate_checked, target_of
 from training.guard import check_nonfinite_action
 from training.init_from import InitFrom, check_starts_or_continues, prepare_init
@@ -105,6 +106,7 @@ def check_options(cfg: DictConfig) -> Plan:
     check_loggers_and_callbacks(cfg)
     kind = kind_of(cfg.model)
     check_monitored_metrics(cfg.get("callbacks"), kind)
+    check_saves_last(cfg.get("callbacks"))
     check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
     check_data_follows_model(kind, cfg.model, cfg.data)
     if kind.name == "encdec":
@@ -179,6 +181,29 @@ def check_monitored_metrics(callbacks: DictConfig | None, kind: ModelKind) -> No
             f"{best} for {monitor} (its {'lowest' if best == 'min' else 'highest'} is its best)",
             mode,
         )
+
+
+def check_saves_last(callbacks: DictConfig | None) -> None:
+    """The run's checkpoint callback writes last.ckpt: it is what a run continues from
+    (ckpt_path=<run dir>, ckpt_path=last) and what tells train.py that a directory holds a run.
+    Without it, ckpt_path=last started the run over from scratch, and a new run went ahead in
+    the directory, over its best checkpoint."""
+    for name, callback in (callbacks or {}).items():
+        if not isinstance(callback, DictConfig) or "save_last" not in callback:
+            continue
+        target = target_of(callback)
+        if (
+            isinstance(target, type)
+            and issubclass(target, RunCheckpoint)
+            and not callback.save_last
+        ):
+            given = str(callback.save_last).lower()
+            raise ValueError(
+                f"callbacks.{name}.save_last={given}: last.ckpt is what a run "
+                "continues from (ckpt_path=<run dir>, ckpt_path=last) and what marks its "
+                "directory as holding a run; drop the override (at the best checkpoint's step, "
+                "last.ckpt is a second name of that file, not a copy)"
+            )
 
 
 def check_data_follows_model(kind: ModelKind, model: DictConfig, data: DictConfig) -> None:
