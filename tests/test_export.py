@@ -29,6 +29,13 @@ from model.checkpoint import find_checkpoint, load_checkpoint
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 CHARS = CharTokenizer.from_text(TEXT)
+# The files of an export in the default format
+SAFETENSORS_EXPORT = [
+    "config.json",
+    "model.safetensors",
+    "tinyformer_tokenizer.json",
+    "tokenizer.json",
+]
 
 
 def checkpoint_of(model, tmp_path: Path, tokenizer=CHARS) -> Path:
@@ -62,12 +69,7 @@ def test_safetensors_export_loads_the_same_weights_ties_and_hparams(tmp_path, ki
     model = tiny_gpt(CHARS.vocab_size) if kind == "gpt" else tiny_encdec(CHARS.vocab_size)
     checkpoint = checkpoint_of(model, tmp_path)
     out = exported(checkpoint, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == [
-        "config.json",
-        "model.safetensors",
-        "tinyformer_tokenizer.json",
-        "tokenizer.json",
-    ]
+    assert sorted(p.name for p in out.iterdir()) == SAFETENSORS_EXPORT
     loaded, hparams = load(out)
     original, original_hparams = load_checkpoint(checkpoint)
     assert type(loaded) is type(original)
@@ -224,14 +226,9 @@ def test_an_earlier_export_is_replaced_whole_and_other_files_stay(tmp_path):
     (out / "README.md").write_text("my notes")
     (out / "eval_val.json").write_text("{}")  # evaluate.py's score of the earlier weights
     exported(checkpoint, out)  # no overwrite=true needed over an earlier export
-    assert sorted(p.name for p in out.iterdir()) == [
-        "README.md",
-        "config.json",
-        "model.safetensors",
-        "tinyformer_tokenizer.json",
-        "tokenizer.json",
-    ]  # the hf export's tokenizer_config.json and generation_config.json went with it, and
-    # the score of its weights
+    # the hf export's tokenizer_config.json and generation_config.json went with it, and the
+    # score of its weights
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", *SAFETENSORS_EXPORT]
     assert (out / "README.md").read_text() == "my notes"
     assert load(out)[1]["exported_from"] == str(checkpoint.resolve())
     assert not list(tmp_path.glob(".*.tmp"))
@@ -262,12 +259,7 @@ def test_an_existing_empty_out_is_written_into_and_kept(tmp_path, monkeypatch):
     exported(checkpoint, Path("."))
     assert out.stat().st_ino == folder and Path.cwd() == out
     assert load(out)[1]["kind"] == "gpt"
-    assert sorted(p.name for p in out.iterdir()) == [
-        "config.json",
-        "model.safetensors",
-        "tinyformer_tokenizer.json",
-        "tokenizer.json",
-    ]
+    assert sorted(p.name for p in out.iterdir()) == SAFETENSORS_EXPORT
 
 
 @pytest.mark.parametrize("earlier", [False, True], ids=["empty", "earlier-export"])
@@ -281,12 +273,7 @@ def test_an_out_that_is_a_mount_point_is_exported_into(tmp_path, earlier):
                 shutil.copy(path, out)
         exported(checkpoint, out)
         assert load(out)[1]["format"] == "safetensors"
-        assert sorted(p.name for p in out.iterdir()) == [
-            "config.json",
-            "model.safetensors",
-            "tinyformer_tokenizer.json",
-            "tokenizer.json",
-        ]
+        assert sorted(p.name for p in out.iterdir()) == SAFETENSORS_EXPORT
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -447,9 +434,4 @@ def test_what_a_killed_export_left_inside_out_is_removed(tmp_path, earlier):
     (leftover / "model.safetensors").write_bytes(b"half")
     exported(checkpoint, out)
     assert load(out)[1]["kind"] == "gpt"
-    assert sorted(p.name for p in out.iterdir()) == [
-        "config.json",
-        "model.safetensors",
-        "tinyformer_tokenizer.json",
-        "tokenizer.json",
-    ]
+    assert sorted(p.name for p in out.iterdir()) == SAFETENSORS_EXPORT
