@@ -68,6 +68,18 @@ class SignalDuringValidation(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SignalInSanityCheck(L.Callback):
+    """Send this process the signal `signum` in Lightning's sanity check, before any step, once
+    its first validation batch is done."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.sanity_checking:
+            os.kill(os.getpid(), self.signum)
+
+
 class NaNWeights(L.Callback):
     """Make one weight NaN before training starts: every loss, validation's included, is NaN."""
 

@@ -116,6 +116,24 @@ def test_ctrl_c_during_a_validation_lets_it_finish_then_stops(tmp_path):
     assert val_losses(stopped) == val_losses(whole)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_in_the_sanity_check_stops_the_run_with_its_status(tmp_path, signum):
+    """Before any step there is nothing to save: the run ends at once, with the status a shell
+    gives a process that signal ended. Lightning took a Ctrl-C there for its own and exited
+    with status 1, saying nothing."""
+    run_dir = tmp_path / "run"
+    command = [*SMALLEST, "trainer.max_steps=4", "trainer.num_sanity_val_steps=2"]
+    command += [*fault("SignalInSanityCheck", signum=signum), f"hydra.run.dir={run_dir}"]
+    stopped = run_training(tmp_path / "cache", *command)
+    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    if signum == signal.SIGINT:
+        assert stopped.stderr.strip().splitlines()[-1] == (
+            "Ctrl-C before training began: stopping, nothing saved"
+        )
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
 def test_default_prompt_outside_the_vocabulary_falls_back_and_a_given_one_fails_early(tmp_path):
     corpus = tmp_path / "lowercase.txt"
     corpus.write_text("\n\n".join(f"a line of lowercase text, number {i}" for i in range(400)))

@@ -485,13 +485,17 @@ class StopSignals(L.Callback):
 
     def guard_shutdown(self, trainer: L.Trainer) -> None:
         """Called before Trainer.fit: SIGTERM gets a handler of ours, which Lightning calls
-        beside its own while it trains and puts back when it is done. Once a stop is under way,
-        another SIGTERM (a scheduler repeating itself) is ignored, so that the checkpoint and
-        the summary are finished rather than cut short; outside training, SIGTERM ends the
-        process as it always would (status 143). In a run of several processes, Lightning's
-        own handler is made to do nothing: ours records the signal, and the ranks agree on the
-        stop (see the class's docstring)."""
+        beside its own while it trains and puts back when it is done, and SIGINT one until
+        training ends. Once a stop is under way, another SIGTERM (a scheduler repeating itself)
+        is ignored, so that the checkpoint and the summary are finished rather than cut short;
+        before training (the sanity check), either signal ends the process at once, with the
+        status a shell gives it (130, 143) and, for Ctrl-C, one line. In a run of several
+        processes, Lightning's own handler is made to do nothing: ours records the signal, and
+        the ranks agree on the stop (see the class's docstring)."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Ctrl-C too, from here: in the sanity check Lightning would take it for its own and end
+        # the process with status 1, in silence.
+        self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         self._distributed = trainer.world_size > 1
         if self._distributed:
             # The method Lightning installs as its SIGTERM handler as the fit starts, with ours
@@ -517,11 +521,13 @@ class StopSignals(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training, self._trainer = True, trainer
-        self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         self._sigterm_handler = signal.getsignal(signal.SIGTERM)
 
     def _on_sigint(self, signum: int, frame) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: quit now
+        if not self._training:  # the sanity check, before any step: nothing to save
+            print("\nCtrl-C before training began: stopping, nothing saved", file=sys.stderr)
+            raise SystemExit(128 + signum)
         self.signum = signal.SIGINT
         trainer = self._trainer
         validating = trainer is not None and trainer.validating
