@@ -104,6 +104,14 @@ def _texts(corpus, column: str) -> Iterator[str]:
     return (text for text in texts_of(corpus, column) if text)
 
 
+def _train_characters(corpus) -> set[str]:
+    """Every character of the training parts, read as a stream."""
+    characters: set[str] = set()
+    for text in _texts(corpus, "train"):
+        characters.update(text)
+    return characters
+
+
 class LMDataModule(CachedDataModule):
     """Token blocks for the GPT; LMDataConfig documents the options."""
 
@@ -255,10 +263,7 @@ class LMDataModule(CachedDataModule):
         if c.tokenizer == "bpe":
             paragraphs = (p for text in _texts(corpus, "train") for p in text.split("\n\n"))
             return BPETokenizer.train(paragraphs, c.bpe_vocab_size, BPE_SPECIALS)
-        chars = set(DOCUMENT_SEPARATOR)
-        for text in _texts(corpus, "train"):
-            chars.update(text)
-        return CharTokenizer(sorted(chars))
+        return CharTokenizer(sorted(_train_characters(corpus) | set(DOCUMENT_SEPARATOR)))
 
     def _check_given_chars(self, corpus) -> None:
         """A given char tokenizer has no id for the characters it was not trained on: in the
@@ -266,9 +271,7 @@ class LMDataModule(CachedDataModule):
         tokenizer (one trained on the text knows them all; validation drops them)."""
         if not isinstance(self._given_tokenizer, CharTokenizer):
             return  # a byte-level BPE encodes any text
-        known, unknown = set(self._given_tokenizer.chars), set()
-        for text in _texts(corpus, "train"):
-            unknown.update(set(text) - known)
+        unknown = _train_characters(corpus) - set(self._given_tokenizer.chars)
         if unknown:
             shown = ", ".join(repr(c) for c in sorted(unknown)[:10])
             more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""

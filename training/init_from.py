@@ -47,21 +47,24 @@ class InitFrom:
         source's. Shape changes are refused as the weights load."""
         source = self.model
         changed = [
-            f"model.{name}={override_value(new)} (the source's: {override_value(old)})"
+            (name, old, new)
             for name, old, new in (
                 ("attention.n_head", source.attention.n_head, model.attention.n_head),
                 ("position", source.position, model.position),
-                ("attention.scale", source.attention.scale, model.attention.scale),
             )
             if old != new
         ]
-        # The scale as a factor: null and 1/sqrt_dk are the same (heads of the same size here)
+        # The scale compared as a factor: null and 1/sqrt_dk are the same (on the source's heads)
         head_dim = source.n_embd // source.attention.n_head
-        if source.attention.scale_for(head_dim) == model.attention.scale_for(head_dim):
-            changed = [c for c in changed if not c.startswith("model.attention.scale=")]
+        if source.attention.scale_for(head_dim) != model.attention.scale_for(head_dim):
+            changed.append(("attention.scale", source.attention.scale, model.attention.scale))
         if changed:
+            shown = "; ".join(
+                f"model.{name}={override_value(new)} (the source's: {override_value(old)})"
+                for name, old, new in changed
+            )
             raise ValueError(
-                f"{self.option}: {'; '.join(changed)} changes what its weights compute; drop "
+                f"{self.option}: {shown} changes what its weights compute; drop "
                 "those model.* overrides to start from the source's model"
             )
 
@@ -98,10 +101,11 @@ def prepare_init(resume: Resume, given: list[str]) -> tuple[Resume, InitFrom | N
         )
     path = find_checkpoint(source, "best", "init_from")
     # GPTs only: the encoder-decoder builds its tokenizer from its data, so it takes no other
-    if kind_of(cfg.model).name != "gpt":
+    kind = kind_of(cfg.model)
+    if kind.name != "gpt":
         raise ValueError(
-            f"init_from={source} starts a GPT run, and this run trains "
-            f"{kind_of(cfg.model).label}: drop model=encdec"
+            f"init_from={source} starts a GPT run, and this run trains {kind.label}: drop "
+            "model=encdec"
         )
     model, hparams = load_checkpoint(path, "init_from")
     saved_kind = hparams.get("kind", "gpt")
