@@ -122,17 +122,23 @@ def data_config(
     options = OmegaConf.to_container(node, resolve=True) if node is not None else {}
     options.pop("_target_", None)
     if choice is None:
-        run_data = (hparams.get("run_config") or {}).get("data") or {}
-        trained_on_it = all(run_data.get(key) == value for key, value in kind.eval_default.items())
         options = {
-            **kind.eval_default,
-            **{key: run_data[key] for key in kind.eval_kept if trained_on_it and key in run_data},
+            **(run_data(kind, hparams) or kind.eval_default),
             **{key: hparams["model"][key] for key in kind.lengths},
             "cache_dir": cfg.paths.cache_dir,
             **options,  # +data.key=value on the command line
         }
     which = f"data={choice}" if choice else "the default data"
-    config = config_from(kind.data_options, options, "data.", which)
+    try:
+        config = config_from(kind.data_options, options, "data.", which)
+    except (ValueError, FileNotFoundError) as error:
+        if choice is None and run_data(kind, hparams):  # not the user's options: say whose
+            raise type(error)(
+                f"the data {shown} trained on: {error} (evaluate.py reads its run's paths from "
+                "where it is launched; launch it where the run was, or score other text with "
+                f"{kind.eval_data_choices})"
+            ) from None
+        raise
     # Without data=, evaluate.yaml has no data node: the command line adds its keys, with `+`.
     setting = "data." if choice else "+data."
     for key in kind.lengths:  # positions beyond the model's were never trained
@@ -145,6 +151,18 @@ def data_config(
     return config
 
 
+def run_data(kind: ModelKind, hparams: dict) -> dict | None:
+    """The data options the checkpoint's run trained with, as evaluate.py scores them by default
+    (its validation split), or None for a checkpoint that does not record them. The tokenizer's
+    are left out: the checkpoint's own tokenizer scores, whichever file its run read it from."""
+    data = (hparams.get("run_config") or {}).get("data")
+    if not data or data.get("_target_") != kind.datamodule:
+        return None
+    ignored = {"_target_", *(key.removeprefix("data.") for key in TOKENIZER_OPTIONS)}
+    known = {field.name for field in fields(kind.data_options)}
+    return {key: value for key, value in data.items() if key in known - ignored}
+
+
 def progress(loader: DataLoader) -> tqdm:
     """The batches, with a progress bar on a terminal when scoring takes more than 2 s."""
     return tqdm(loader, desc="scoring", unit="batch", leave=False, delay=2, disable=None)
@@ -152,16 +170,22 @@ def progress(loader: DataLoader) -> tqdm:
 
 @torch.inference_mode()
 def score_gpt(
-    model: GPT, tokenizer, config: LMDataConfig, batch_size: int, device: torch.device
+    model: GPT,
+    tokenizer,
+    config: LMDataConfig,
+    batch_size: int,
+    device: torch.device,
+    validation: bool = False,
 ) -> dict:
     """Loss, perplexity and bits per character over non-overlapping blocks of the text, as
     training validates: each token after the first is scored once, with the tokens before it
-    in its block as context (the last partial block is left out, as in training).
+    in its block as context (the last partial block is left out, as in training). The text is
+    eval_documents's: with `validation`, text files' validation split rather than all of them.
 
     The softmax is over the tokenizer's ids only: the rows that pad a model.vocab_size beyond
     them are never sampled (generate.py) and a format=hf export has none, so a model and its
     exports get one loss. Training's val/loss counts them, and is higher by their share."""
-    documents, shown = eval_documents(config)
+    documents, shown = eval_documents(config, validation)
     tokens, dropped = token_stream(tokenizer, documents)
     block = config.block_size
     if len(tokens) < block + 1:
@@ -202,10 +226,12 @@ def score_encdec(
     config: Seq2SeqDataConfig,
     batch_size: int,
     device: torch.device,
+    validation: bool = False,
 ) -> dict:
     """Loss and perplexity over every target token (teacher-forced, as training validates), and
-    exact match and character error rate of greedy decodes of every pair."""
-    (sources, targets), dropped, shown = eval_pairs(config, tokenizer)
+    exact match and character error rate of greedy decodes of every pair: eval_pairs's, with
+    `validation` the validation pairs of data.paths rather than all of them."""
+    (sources, targets), dropped, shown = eval_pairs(config, tokenizer, validation)
     if len(sources) == 0:
         raise ValueError(f"{shown} holds no pair with a source this tokenizer can encode")
     ids = decoding_ids(tokenizer)
@@ -335,14 +361,16 @@ def run(cfg: DictConfig) -> dict:
     model, hparams = load_checkpoint(checkpoint)
     kind = hparams.get("kind", "gpt")
     config = data_config(cfg, KINDS[kind], hparams, str(checkpoint))
-    choice = HydraConfig.get().runtime.choices.get("data") or "val"
-    name = choice + ("_test" if getattr(config, "split", None) == "test" else "")
+    choice = HydraConfig.get().runtime.choices.get("data")
+    name = (choice or "val") + ("_test" if getattr(config, "split", None) == "test" else "")
     out = Path(options.out).expanduser() if options.out else default_out(checkpoint, name)
     check_out(out, f"out={options.out}" if options.out else f"the default out={out}")
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])
     score = score_gpt if kind == "gpt" else score_encdec
     result = {"checkpoint": str(checkpoint), "kind": kind}
-    result |= score(model.to(device), tokenizer, config, options.batch_size, device)
+    # Without data=, the run's own validation split, whichever data gave it one
+    validation = choice is None
+    result |= score(model.to(device), tokenizer, config, options.batch_size, device, validation)
     result["data_config"] = asdict(config)
     report(result, out)
     return result

@@ -29,11 +29,9 @@ class ModelKind:
     data_choices: str  # the data= choices it trains on, in messages
     eval_data_choices: str  # the data= choices evaluate.py scores it on, in messages
     lengths: tuple[str, ...]  # the model's length limits, which its data shares
-    # The data evaluate.py scores when no data= is chosen, and the options of it that the
-    # checkpoint's run fixed when it trained on that data too: those that decide the validation
-    # text, so that the text scored is the text it validated on.
+    # The data evaluate.py scores when no data= is chosen and the checkpoint does not record its
+    # run's (which it scores otherwise)
     eval_default: dict
-    eval_kept: tuple[str, ...]
 
     @property
     def config(self) -> type:
@@ -59,7 +57,6 @@ KINDS = {
             eval_data_choices="data=text_files or data=hub",
             lengths=("block_size",),
             eval_default={"source": "shakespeare"},
-            eval_kept=("val_fraction",),
         ),
         ModelKind(
             name="encdec",
@@ -71,7 +68,6 @@ KINDS = {
             eval_data_choices="data=pairs",
             lengths=("max_source_len", "max_target_len"),
             eval_default={"task": "denoise"},
-            eval_kept=("val_fraction", "corruption", "noise_rate", "mean_span", "seed"),
         ),
     )
 }

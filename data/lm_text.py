@@ -248,11 +248,14 @@ def _whole(ds: "datasets.Dataset | datasets.IterableDataset") -> list[str]:
     return [text.strip("\n") for text in texts_of(ds)]  # separators come between documents
 
 
-def eval_documents(c: LMDataConfig) -> tuple[list[str], str]:
+def eval_documents(c: LMDataConfig, validation: bool = False) -> tuple[list[str], str]:
     """The documents evaluate.py scores, and what they are, in words: every one of data.paths;
     a Hub dataset's test split; or the validation text exactly as training cuts it, from the
-    embedded plays or a Hub dataset (its own validation split, or its train split's share)."""
+    embedded plays, a Hub dataset (its own validation split, or its train split's share) or
+    (`validation`) text files."""
     cache_dir = Path(c.cache_dir)
+    if c.source == "text_files" and validation:
+        return _text_files_validation(c)
     if c.val_paths:
         raise ValueError(
             "data.val_paths: evaluate.py scores all of data.paths; put the files to score there"
@@ -281,6 +284,31 @@ def eval_documents(c: LMDataConfig) -> tuple[list[str], str]:
     if name is not None:
         return _whole(hub_text(splits, name, c.text_column, title, "data.val_split")), shown
     train = list(texts_of(hub_text(splits, "train", c.text_column, title, "data.name")))
-    if splits_by_tail(train, c.val_fraction):
-        return [tail for _, tail in tail_split(train, c.val_fraction)], shown
-    return [whole_split(text, i, c.val_fraction)[1] for i, text in enumerate(train)], shown
+    return _carved_validation(train, c.val_fraction), shown
+
+
+def _text_files_validation(c: LMDataConfig) -> tuple[list[str], str]:
+    """The validation text of text files, as data/lm.py cuts it for training: data.val_paths's
+    documents whole, else the tail of each document of a corpus of few (at least one block's
+    worth in all), else one whole document in every 1/val_fraction."""
+    cache_dir = Path(c.cache_dir)
+    if c.val_paths:
+        files = expand_paths(c.val_paths, list(TEXT_BUILDERS), "data.val_paths")
+        docs = load_text_files(files, c.text_column, cache_dir, c.streaming, "data.val_paths")
+        return _whole(docs), f"all of data.val_paths ({len(files)} file(s))"
+    files = expand_paths(c.paths, list(TEXT_BUILDERS))
+    texts = list(texts_of(load_text_files(files, c.text_column, cache_dir, c.streaming)))
+    shown = (
+        f"the validation split of data.paths ({len(files)} file(s), "
+        f"data.val_fraction={c.val_fraction})"
+    )
+    # any text of two blocks trains, as validation gets one
+    return _carved_validation(texts, c.val_fraction, min_tail=c.block_size + 1), shown
+
+
+def _carved_validation(texts: list[str], val_fraction: float, min_tail: int = 0) -> list[str]:
+    """The validation text that training carves out of `texts` by val_fraction (data/lm.py):
+    the tail of each of few documents, else one whole document in every 1/val_fraction."""
+    if splits_by_tail(texts, val_fraction):
+        return [tail for _, tail in tail_split(texts, val_fraction, min_tail)]
+    return [whole_split(text, i, val_fraction)[1] for i, text in enumerate(texts)]

@@ -246,25 +246,29 @@ TASK_BUILDERS = {"denoise": denoise_task, "next_line": next_line_task, "pairs": 
 # --- What evaluate.py scores -------------------------------------------------------------------
 
 
-def eval_pairs(c: Seq2SeqDataConfig, tokenizer: CharTokenizer) -> tuple[Split, int, str]:
+def eval_pairs(
+    c: Seq2SeqDataConfig, tokenizer: CharTokenizer, validation: bool = False
+) -> tuple[Split, int, str]:
     """The pairs evaluate.py scores as token ids by `tokenizer`, the number of characters it
-    dropped, and what they are, in words: every pair of data.paths, or a Shakespeare task's
-    validation pairs exactly as training builds them."""
-    if c.task == "pairs":
-        if c.hub_name:
-            raise ValueError(
-                f"data.hub_name={c.hub_name}: evaluate.py scores pairs from local files; give "
-                "them as data=pairs 'data.paths=[pairs.jsonl]'"
-            )
+    dropped, and what they are, in words: every pair of data.paths, or (a Shakespeare task, or
+    `validation`) the task's validation pairs exactly as training builds them."""
+    split = f"data.val_fraction={c.val_fraction}, data.seed={c.seed}"
+    if c.task != "pairs":
+        texts = TASK_BUILDERS[c.task](c)[0]["val"]
+        shown = f"the validation pairs of task={c.task} on the embedded plays ({split})"
+    elif validation:
+        texts = pairs_task(c)[0]["val"]
+        where = f"data.hub_name={c.hub_name}" if c.hub_name else "data.paths"
+        shown = f"the validation pairs of {where} ({split})"
+    elif c.hub_name:
+        raise ValueError(
+            f"data.hub_name={c.hub_name}: evaluate.py scores pairs from local files; give "
+            "them as data=pairs 'data.paths=[pairs.jsonl]'"
+        )
+    else:
         sources, targets = load_pair_texts(c)
         texts = _cut_pairs(c, sources, targets, range(len(sources)))
         files = expand_paths(c.paths, list(FILE_FORMATS))
         shown = f"every pair of data.paths ({len(files)} file(s))"
-    else:
-        texts = TASK_BUILDERS[c.task](c)[0]["val"]
-        shown = (
-            f"the validation pairs of task={c.task} on the embedded plays "
-            f"(data.val_fraction={c.val_fraction}, data.seed={c.seed})"
-        )
     pair, dropped = encode_pairs(tokenizer, texts)
     return drop_empty_sources(pair)[0], dropped, shown

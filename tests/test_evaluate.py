@@ -240,6 +240,30 @@ def test_text_files_scores_every_block_of_the_files(gpt_run, cache, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_text_files_run_is_scored_by_default_on_its_own_validation_split(cache, tmp_path):
+    rng = np.random.default_rng(0)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice(WORDS, 30)) for _ in range(120)))
+    data = ["data=text_files", f"data.paths=[{corpus}]"]
+    run_dir = train_run(tmp_path / "run", *SMALLEST_BASE, *data, *FULL_VALIDATION, cache_dir=cache)
+    logged = last_validation(run_dir)
+    scored = evaluate(cache, f"ckpt={run_dir}")
+    assert scored["loss"] == pytest.approx(logged["val/loss"], rel=1e-4)
+    assert scored["data"] == "the validation split of data.paths (1 file(s), data.val_fraction=0.1)"
+    assert scored["out"] == str(run_dir / "eval_val.json")
+    # data=text_files scores all of the files: ten times the text
+    everything = evaluate(cache, f"ckpt={run_dir}", *data, f"out={tmp_path / 'all.json'}")
+    assert everything["tokens"] > 8 * scored["tokens"]
+    # Files the run read that are gone: one line, saying they were the run's
+    corpus.rename(tmp_path / "moved.txt")
+    result = run_script("evaluate.py", f"ckpt={run_dir}", cache_dir=cache)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.search(rf"trained on: data.paths: no file at {re.escape(str(corpus))}", last), last
+    assert "data=text_files or data=hub" in last
+
+
+@pytest.mark.slow
 def test_hub_dataset_validation_and_test_splits(hub_run, hub_dataset, cache):
     logged = last_validation(hub_run)
     assert "data=hub: validating on the 'validation' split" in (hub_run / "stdout.txt").read_text()
@@ -247,6 +271,9 @@ def test_hub_dataset_validation_and_test_splits(hub_run, hub_dataset, cache):
     validation = evaluate(cache, f"ckpt={hub_run}", *hub, "data.split=validation")
     assert validation["loss"] == pytest.approx(logged["val/loss"], rel=1e-4)
     assert validation["out"] == str(hub_run / "eval_hub.json")
+    by_default = evaluate(cache, f"ckpt={hub_run}")  # the dataset the run trained on
+    assert by_default["loss"] == validation["loss"]
+    assert by_default["out"] == str(hub_run / "eval_val.json")
     test = evaluate(cache, f"ckpt={hub_run}", *hub, "data.split=test")
     assert test["data"] == f"the 'test' split of {hub_dataset}"
     assert test["out"] == str(hub_run / "eval_hub_test.json")
@@ -262,9 +289,16 @@ def test_encdec_reproduces_the_runs_validation_pairs(encdec_run, pairs_file, cac
     val_file = tmp_path / "val.jsonl"
     val_file.write_text("".join(lines[i] + "\n" for i in val_rows))
     logged = last_validation(encdec_run)
+    by_default = evaluate(cache, f"ckpt={encdec_run}", "batch_size=64")  # its own split
+    assert (
+        by_default["data"]
+        == "the validation pairs of data.paths (data.val_fraction=0.1, data.seed=1234)"
+    )
     scored = evaluate(
         cache, f"ckpt={encdec_run}", "data=pairs", f"data.paths=[{val_file}]", "batch_size=64"
     )
+    for key in ("pairs", "loss", "cer", "exact_match"):
+        assert by_default[key] == scored[key]
     assert scored["pairs"] == len(val_rows)
     assert scored["loss"] == pytest.approx(logged["val/loss"], rel=1e-4)
     assert scored["cer"] == pytest.approx(logged["val/cer"], abs=1e-9)

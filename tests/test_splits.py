@@ -10,7 +10,7 @@ import pytest
 
 from data.cache import entry_problem
 from data.lm import LMDataModule
-from data.lm_text import LMDataConfig
+from data.lm_text import LMDataConfig, eval_documents, token_stream
 from data.sources import split_tail, splits_by_tail, tail_split
 from helpers import run_script, write_hub_dataset
 
@@ -265,6 +265,41 @@ def test_few_paragraphs_give_each_ones_tail(tmp_path):
     assert split_text(module, "val") == "\n\n".join(tails)
     meta = json.loads((module.cache_entry / "meta.json").read_text())
     assert meta["val_carved"] is True
+
+
+@pytest.mark.parametrize(
+    "corpus",
+    ["many documents", "few documents", "shorter than its blocks' share", "val_paths", "jsonl"],
+)
+def test_evaluate_py_reads_a_text_files_runs_validation_split_token_for_token(tmp_path, corpus):
+    """Without data=, evaluate.py scores a text_files run on its own validation text: the same
+    token stream as the one training validated on, however the corpus was split."""
+    path, options = tmp_path / "corpus.txt", {}
+    if corpus == "many documents":  # one whole paragraph in every ten to validation
+        path.write_text("\n\n".join(f"{line}\n{line}" for line in LINES) + "\n")
+    elif corpus == "few documents":  # the tail of each
+        path.write_text("\n\n".join("\n".join(LINES[i : i + 10]) for i in range(0, 40, 10)))
+    elif corpus == "shorter than its blocks' share":  # a tail of at least one block
+        path.write_text(SHORT)
+        options["block_size"] = 16
+    elif corpus == "val_paths":  # the validation file whole
+        path.write_text("\n".join(LINES[:30]))
+        (tmp_path / "valid.txt").write_text("\n\n".join(LINES[30:]))
+        options["val_paths"] = [str(tmp_path / "valid.txt")]
+    else:
+        path = tmp_path / "corpus.jsonl"
+        path.write_text("".join(json.dumps({"body": line}) + "\n" for line in LINES))
+        options["text_column"] = "body"
+    module = prepared(source="text_files", paths=[str(path)], cache_dir=tmp_path, **options)
+    documents, shown = eval_documents(module.config, validation=True)
+    tokens, dropped = token_stream(module.tokenizer, documents)
+    assert tokens.tolist() == np.asarray(module._split("val")).tolist()
+    assert dropped == 0 and len(tokens) > module.config.block_size
+    assert shown.startswith("all of data.val_paths" if "val_paths" in options else "the validat")
+    # Without validation=True, all of data.paths, as data=text_files scores it
+    if "val_paths" not in options:
+        everything, _ = token_stream(module.tokenizer, eval_documents(module.config)[0])
+        assert len(everything) > len(tokens)
 
 
 def test_split_is_evaluate_py_s_option_and_training_says_so(tmp_path):
