@@ -137,6 +137,18 @@ def test_a_run_that_monitors_no_metric_keeps_and_samples_its_latest_checkpoint(
 
 
 @pytest.mark.slow
+def test_a_run_that_keeps_no_best_checkpoint_samples_its_last(tmp_path, shared_cache):
+    overrides = [*SMALLEST, "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    overrides += ["callbacks.model_checkpoint.save_top_k=0"]
+    run_dir = train_run(tmp_path / "run", *overrides, cache_dir=shared_cache)
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["last.ckpt"]
+    stdout = (run_dir / "stdout.txt").read_text()
+    assert f"last checkpoint: {run_dir}/checkpoints/last.ckpt\nsample:" in stdout
+    assert f"more: python generate.py ckpt={run_dir} " in stdout
+    assert "warning" not in (run_dir / "stderr.txt").read_text()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "monitoring",
     [

@@ -134,13 +134,17 @@ def print_best(
     trainer: L.Trainer, sample: SamplingConfig, datamodule: DataModule, run_dir: str
 ) -> None:
     callback = trainer.checkpoint_callback
-    best = callback.best_model_path if callback else ""
-    if not best:
+    if callback is None or not (callback.best_model_path or callback.last_model_path):
         return
-    score = callback.best_model_score  # None where monitor=null: the latest checkpoint is kept
-    judged = "" if score is None else f" ({callback.monitor} {score:.4f})"
-    print(f"\nbest checkpoint: {best}{judged}")
-    model, hparams = load_checkpoint(Path(best))
+    if callback.best_model_path:
+        score = callback.best_model_score  # None where monitor=null: the latest one is kept
+        judged = "" if score is None else f" ({callback.monitor} {score:.4f})"
+        chosen = callback.best_model_path
+        print(f"\nbest checkpoint: {chosen}{judged}")
+    else:  # save_top_k=0 keeps none by score: the last, as generate.py ckpt=<run dir> takes it
+        chosen = callback.last_model_path
+        print(f"\nlast checkpoint: {chosen}")
+    model, hparams = load_checkpoint(Path(chosen))
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])
     command = f"python generate.py {generate_option('ckpt', run_dir)}"
     if isinstance(model, EncoderDecoder):
