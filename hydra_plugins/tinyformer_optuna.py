@@ -229,9 +229,16 @@ def ended_trials(study: Any) -> int:
     return sum(t.state.is_finished() and t.number not in retried for t in study.trials)
 
 
+def config_values(params: dict[str, str]) -> dict[str, Any]:
+    """Swept values, kept as override strings ("0.01", "4", "rope"), as the config reads them:
+    numbers as numbers, for whatever reads the results as YAML."""
+    parser = OverridesParser.create()
+    return {key: parser.parse_override(f"{key}={value}").value() for key, value in params.items()}
+
+
 def save_best(study: Any, path: Path) -> None:
-    """optimization_results.yaml: the best trial's number, value, swept values and overrides,
-    and how many trials ended in each state."""
+    """optimization_results.yaml: the best trial's number, value, swept values (typed, as the
+    config reads them) and overrides, and how many trials ended in each state."""
     import optuna
 
     if not study.get_trials(states=[optuna.trial.TrialState.COMPLETE]):
@@ -244,7 +251,7 @@ def save_best(study: Any, path: Path) -> None:
         "name": study.study_name,
         "best_trial": best.number,
         "best_value": best.value,
-        "best_params": best.user_attrs[PARAMS],
+        "best_params": config_values(best.user_attrs[PARAMS]),
         "best_overrides": best.user_attrs[OVERRIDES],
         "trials": states,
     }

@@ -223,7 +223,12 @@ def test_optuna_search_prunes_records_failures_and_resumes(tmp_path, cache):
     assert best["best_trial"] == 0 and best["best_value"] == pytest.approx(
         summaries[0]["best_val_loss"]
     )
-    assert best["best_params"]["optim.lr"] == "0.01"
+    # As the config reads them: numbers as numbers, names as text
+    assert best["best_params"] == {
+        "model.attention.n_kv_head": 1,  # the one divisor of n_head=1 among the config's choices
+        "model.attention.dropout": 0.0,
+        "optim.lr": 0.01,
+    }
     assert "Best trial (Optuna)" in report.report(sweep)
 
     # A search killed during a trial leaves it RUNNING: resuming closes it as failed and runs its
