@@ -43,6 +43,7 @@ from data.seq2seq_text import (
     collate_pairs,
     eval_pairs,
 )
+from data.sources import progress_bars_on_terminals_only
 from data.tokenizer import tokenizer_from_dict
 from errors import (
     check,
@@ -378,6 +379,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
+    progress_bars_on_terminals_only()
     try:
         exit_on_user_error(lambda: run(cfg))
     except KeyboardInterrupt:  # Ctrl-C: no traceback

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from data.lm import LMDataModule
+from data.sources import progress_bars_on_terminals_only
 from data.tokenizer import tokenizer_from_dict
 from errors import exit_on_user_error, override_key
 from training.attention_maps import finish_maps, finish_maps_later
@@ -232,6 +233,7 @@ def train(cfg: DictConfig) -> float | None:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    progress_bars_on_terminals_only()
     try:
         if in_sweep():
             return run_sweep_job(train, cfg)

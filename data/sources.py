@@ -9,6 +9,7 @@ import math
 import os
 import re
 import socket
+import sys
 from collections.abc import Collection, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -32,6 +33,14 @@ if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry 
 
     HubSplits = datasets.DatasetDict | datasets.IterableDatasetDict  # a Hub dataset's splits
     HubSplit = datasets.Dataset | datasets.IterableDataset
+
+
+def progress_bars_on_terminals_only() -> None:
+    """No progress bars from `datasets` where stderr is not a terminal (a log file, a pipe), in
+    which each redraw piles onto one unreadable line; HF_DATASETS_DISABLE_PROGRESS_BARS=0 keeps
+    them. For the shell commands, before `datasets` is imported: it reads the setting then."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 # A line that is only a speaker's name, e.g. "**First Citizen**  ".

@@ -1,11 +1,17 @@
 """End to end through the real command line: train.py writes a run, generate.py samples it."""
 
+import fcntl
 import json
 import math
+import os
+import pty
+import select
 import shlex
 import signal
+import struct
 import subprocess
 import sys
+import termios
 
 import pytest
 import torch
@@ -111,8 +117,67 @@ def test_a_run_prints_what_a_user_needs_and_no_library_noise(trained_run):
     assert stdout.startswith("model: 0.")  # the size and the baseline come first
     noise = ["GPU available", "litlogger", "Seed set", "Trainable params", "anonymous"]
     noise += ["Run history", "Deprecat", "Warning:", "Traceback"]
+    noise += ["it/s", "examples/s"]  # progress bars, in a log: lines instead
     for line in noise:
         assert line not in output, line
+
+
+def output_on_a_terminal(arguments: list[str], env: dict, timeout: float = 600) -> str:
+    """What a command writes to stdout and stderr when both are a terminal (a pseudo-terminal
+    here); fails the test if the command fails."""
+    primary, secondary = pty.openpty()
+    # 24 rows of 100 columns: a terminal of no width gets bars of nothing
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    process = subprocess.Popen(
+        arguments,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=secondary,
+        stderr=secondary,
+        preexec_fn=default_signals,
+    )
+    os.close(secondary)  # the child holds the only other end: reading ends when it exits
+    written = b""
+    try:
+        while select.select([primary], [], [], timeout)[0]:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: the child's end closed
+                break
+            if not chunk:
+                break
+            written += chunk
+    finally:
+        os.close(primary)
+    assert process.wait(timeout=60) == 0, written[-3000:]
+    return written.decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_a_terminal_gets_progress_bars_and_a_log_gets_plain_lines(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Speaker {i}:\nSome words, and more." for i in range(300)))
+    overrides = [*SMALLEST, "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    overrides += ["data=text_files", f"data.paths=[{corpus}]", "logger=none"]
+    command = [sys.executable, str(ROOT / "train.py"), *overrides]
+    # A cold data cache each: `datasets` reads and maps the corpus under its progress bars
+    terminal = output_on_a_terminal(
+        [*command, f"hydra.run.dir={tmp_path / 'terminal'}"], clean_env(tmp_path / "cache1")
+    )
+    assert "Generating train split" in terminal and "Epoch 0: 100%" in terminal
+    assert "step 4/4" not in terminal
+    log = run_script(
+        "train.py", *overrides, f"hydra.run.dir={tmp_path / 'log'}", cache_dir=tmp_path / "cache2"
+    )
+    assert log.returncode == 0, log.stderr[-3000:]
+    for bar in ("Generating train split", "Map", "Epoch", "Sanity", "it/s", "\r"):
+        assert bar not in log.stdout + log.stderr, log.stdout + log.stderr
+    lines = [line for line in log.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2, log.stdout
+    # train/loss shows from the first step logged (trainer.log_every_n_steps=50) on
+    assert lines[0].startswith("step 2/4 (50%)  val/loss ") and lines[0].endswith("left")
+    assert lines[1].startswith("step 4/4 (100%)  val/loss ") and "left" not in lines[1]
 
 
 @pytest.mark.slow

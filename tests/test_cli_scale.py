@@ -41,6 +41,7 @@ def test_ddp_cpu_run_has_one_set_of_checkpoints_and_one_wandb_run(ddp_run):
     # Printed once (by rank zero), not once per process.
     stdout = (ddp_run / "stdout.txt").read_text()
     assert stdout.count("best checkpoint:") == 1 and stdout.count("parameters;") == 1
+    assert stdout.count("step 80/80 (100%)") == 1  # the progress line of the last validation
     # and no advice to sync validation metrics, which are reduced over the ranks already
     assert "sync_dist" not in (ddp_run / "stderr.txt").read_text()
     saved = torch.load(ddp_run / "checkpoints" / "last.ckpt", weights_only=True)

@@ -1,8 +1,10 @@
 """The LightningModule's validation metrics: through a real Trainer on real cached data, and
-through the module's validation hooks driven by hand on batches built to the purpose."""
+through the module's validation hooks driven by hand on batches built to the purpose; and the
+progress lines a run writes to a log."""
 
 import io
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +18,7 @@ from data.lm import LMDataModule
 from data.tokenizer import CharTokenizer
 from helpers import BOS, FIRST_WORD, tiny_encdec, tiny_gpt_config
 from training.module import LanguageModelModule, Seq2SeqModule, TrainingModule
+from training.progress import LineProgress, clock
 
 TEXT = "\n\n".join(f"Speaker {i}:\nSome words, and more words; line {i % 7}." for i in range(200))
 
@@ -133,6 +136,59 @@ def test_the_sanity_check_runs_a_compiled_model_eagerly(tmp_path):
     assert compiled.after_sanity_check == 0
     # the first step compiled the training graph, and the validation after it the no-grad one
     assert grad_modes == [True, False]
+
+
+LINE = re.compile(
+    r"step (\d+)/6 \(\d+%\)  train/loss \d+\.\d{4}(  val/loss \d+\.\d{4})?"
+    r"(  tokens/s [\d,]+)?  \d+:\d\d in(, ~\d+:\d\d left)?"
+)
+
+
+@pytest.mark.parametrize(
+    ("every_seconds", "expected"),
+    [
+        (1e9, [(3, True), (6, True)]),  # only the validations' lines, never the sanity check's
+        # a line every step too; from the first validation on, with its val/loss
+        (1e-9, [(1, False), (2, False), (3, False), *[(step, True) for step in (3, 4, 5, 6, 6)]]),
+    ],
+    ids=["validations", "every step"],
+)
+def test_a_log_gets_a_line_at_every_validation_and_every_so_often(
+    tmp_path, capfd, every_seconds, expected
+):
+    data, module = text_and_gpt(tmp_path)
+    capfd.readouterr()  # what preparing the data printed
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        callbacks=[LineProgress(every_seconds)],
+        log_every_n_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    lines = capfd.readouterr().out.strip().splitlines()
+    matches = [LINE.fullmatch(line) for line in lines]
+    assert all(matches), lines
+    steps = [(int(m[1]), m[2] is not None) for m in matches]
+    assert steps == expected
+    assert [m[4] is not None for m in matches] == [step < 6 for step, _ in steps]  # time left
+
+
+def test_clock_reads_as_minutes_or_hours():
+    assert [clock(s) for s in (0, 59.9, 61, 3599, 3600, 36_061)] == [
+        "0:00",
+        "0:59",
+        "1:01",
+        "59:59",
+        "1:00:00",
+        "10:01:01",
+    ]
 
 
 def validate(
