@@ -148,8 +148,12 @@ LINE = re.compile(
     ("every_seconds", "expected"),
     [
         (1e9, [(3, True), (6, True)]),  # only the validations' lines, never the sanity check's
-        # a line every step too; from the first validation on, with its val/loss
-        (1e-9, [(1, False), (2, False), (3, False), *[(step, True) for step in (3, 4, 5, 6, 6)]]),
+        # a line every step too, with no val/loss but just after a validation
+        (
+            1e-9,
+            [(1, False), (2, False), (3, False), (3, True), (4, False), (5, False), (6, False)]
+            + [(6, True)],
+        ),
     ],
     ids=["validations", "every step"],
 )

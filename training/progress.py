@@ -30,8 +30,8 @@ def clock(seconds: float) -> str:
 
 
 class LineProgress(ProgressBar):
-    """One line on stdout every `every_seconds` of training and after every validation (which
-    adds val/loss), on rank zero:
+    """One line on stdout every `every_seconds` of training and after every validation (with
+    its val/loss), on rank zero:
 
         step 250/2000 (12%)  train/loss 2.0312  tokens/s 21,450  0:41 in, ~4:52 left
     """
@@ -58,14 +58,15 @@ class LineProgress(ProgressBar):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_) -> None:
         if time.monotonic() - self._last_line >= self.every_seconds:
-            self.line(trainer, pl_module)
+            self.line(trainer, validated=False)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self.line(trainer, pl_module)
+            self.line(trainer, validated=True)
 
-    def line(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Print where the run stands, and when it should end at this pace."""
+    def line(self, trainer: L.Trainer, validated: bool) -> None:
+        """Print where the run stands, and when it should end at this pace; val/loss only just
+        after a validation, so that no line shows an old one as the step's."""
         if not self.enabled:
             return
         now = time.monotonic()
@@ -74,7 +75,7 @@ class LineProgress(ProgressBar):
         parts = [f"step {step}/{total} ({step / total:.0%})" if total > 0 else f"step {step}"]
         metrics = trainer.callback_metrics
         for name, label in SHOWN.items():
-            if name in metrics:
+            if name in metrics and (validated or not name.startswith("val/")):
                 value = float(metrics[name])
                 parts.append(
                     f"{label} {value:,.0f}" if label == "tokens/s" else f"{label} {value:.4f}"
