@@ -283,7 +283,7 @@ def eval_documents(c: LMDataConfig, validation: bool = False) -> tuple[list[str]
     name, shown = hub_val_split(splits, c.val_split, c.val_fraction, title)
     if name is not None:
         return _whole(hub_text(splits, name, c.text_column, title, "data.val_split")), shown
-    train = list(texts_of(hub_text(splits, "train", c.text_column, title, "data.name")))
+    train = hub_text(splits, "train", c.text_column, title, "data.name")
     return _carved_validation(train, c.val_fraction), shown
 
 
@@ -297,18 +297,22 @@ def _text_files_validation(c: LMDataConfig) -> tuple[list[str], str]:
         docs = load_text_files(files, c.text_column, cache_dir, c.streaming, "data.val_paths")
         return _whole(docs), f"all of data.val_paths ({len(files)} file(s))"
     files = expand_paths(c.paths, list(TEXT_BUILDERS))
-    texts = list(texts_of(load_text_files(files, c.text_column, cache_dir, c.streaming)))
+    docs = load_text_files(files, c.text_column, cache_dir, c.streaming)
     shown = (
         f"the validation split of data.paths ({len(files)} file(s), "
         f"data.val_fraction={c.val_fraction})"
     )
     # any text of two blocks trains, as validation gets one
-    return _carved_validation(texts, c.val_fraction, min_tail=c.block_size + 1), shown
+    return _carved_validation(docs, c.val_fraction, min_tail=c.block_size + 1), shown
 
 
-def _carved_validation(texts: list[str], val_fraction: float, min_tail: int = 0) -> list[str]:
-    """The validation text that training carves out of `texts` by val_fraction (data/lm.py):
-    the tail of each of few documents, else one whole document in every 1/val_fraction."""
-    if splits_by_tail(texts, val_fraction):
-        return [tail for _, tail in tail_split(texts, val_fraction, min_tail)]
-    return [whole_split(text, i, val_fraction)[1] for i, text in enumerate(texts)]
+def _carved_validation(
+    docs: "datasets.Dataset | datasets.IterableDataset", val_fraction: float, min_tail: int = 0
+) -> list[str]:
+    """The validation text that training carves out of `docs` by val_fraction (data/lm.py):
+    the tail of each of few documents, else one whole document in every 1/val_fraction, the
+    others read as a stream and let go (a corpus may be larger than memory)."""
+    if splits_by_tail(texts_of(docs), val_fraction):
+        return [tail for _, tail in tail_split(list(texts_of(docs)), val_fraction, min_tail)]
+    parts = (whole_split(text, i, val_fraction)[1] for i, text in enumerate(texts_of(docs)))
+    return [part for part in parts if part]

@@ -269,14 +269,22 @@ def test_few_paragraphs_give_each_ones_tail(tmp_path):
 
 @pytest.mark.parametrize(
     "corpus",
-    ["many documents", "few documents", "shorter than its blocks' share", "val_paths", "jsonl"],
+    [
+        "many documents",
+        "many documents, streamed",
+        "few documents",
+        "shorter than its blocks' share",
+        "val_paths",
+        "jsonl",
+    ],
 )
 def test_evaluate_py_reads_a_text_files_runs_validation_split_token_for_token(tmp_path, corpus):
     """Without data=, evaluate.py scores a text_files run on its own validation text: the same
     token stream as the one training validated on, however the corpus was split."""
     path, options = tmp_path / "corpus.txt", {}
-    if corpus == "many documents":  # one whole paragraph in every ten to validation
+    if corpus.startswith("many documents"):  # one whole paragraph in every ten to validation
         path.write_text("\n\n".join(f"{line}\n{line}" for line in LINES) + "\n")
+        options["streaming"] = corpus.endswith("streamed")
     elif corpus == "few documents":  # the tail of each
         path.write_text("\n\n".join("\n".join(LINES[i : i + 10]) for i in range(0, 40, 10)))
     elif corpus == "shorter than its blocks' share":  # a tail of at least one block
