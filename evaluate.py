@@ -122,24 +122,25 @@ def data_config(
         cfg.model = hparams["model"]  # what ${model.block_size} and the like read
     options = OmegaConf.to_container(node, resolve=True) if node is not None else {}
     options.pop("_target_", None)
+    which = f"data={choice}" if choice else "the default data"
     if choice is None:
-        options = {
-            **(run_data(kind, hparams) or kind.eval_default),
+        trained = run_data(kind, hparams)
+        defaults = {
+            **(trained or kind.eval_default),
             **{key: hparams["model"][key] for key in kind.lengths},
             "cache_dir": cfg.paths.cache_dir,
-            **options,  # +data.key=value on the command line
         }
-    which = f"data={choice}" if choice else "the default data"
-    try:
-        config = config_from(kind.data_options, options, "data.", which)
-    except (ValueError, FileNotFoundError) as error:
-        if choice is None and run_data(kind, hparams):  # not the user's options: say whose
-            raise type(error)(
-                f"the data {shown} trained on: {error} (evaluate.py reads its run's paths from "
-                "where it is launched; launch it where the run was, or score other text with "
-                f"{kind.eval_data_choices})"
-            ) from None
-        raise
+        if trained:  # checked alone first: a failure here is the run's data, not the command's
+            try:
+                config_from(kind.data_options, defaults, "data.", which)
+            except (ValueError, FileNotFoundError) as error:
+                raise type(error)(
+                    f"the data {shown} trained on: {error} (evaluate.py reads its run's paths "
+                    "from where it is launched; launch it where the run was, or score other "
+                    f"text with {kind.eval_data_choices})"
+                ) from None
+        options = {**defaults, **options}  # +data.key=value on the command line
+    config = config_from(kind.data_options, options, "data.", which)
     # Without data=, evaluate.yaml has no data node: the command line adds its keys, with `+`.
     setting = "data." if choice else "+data."
     for key in kind.lengths:  # positions beyond the model's were never trained
@@ -176,17 +177,19 @@ def score_gpt(
     config: LMDataConfig,
     batch_size: int,
     device: torch.device,
-    validation: bool = False,
+    as_trained: bool = False,
 ) -> dict:
     """Loss, perplexity and bits per character over non-overlapping blocks of the text, as
     training validates: each token after the first is scored once, with the tokens before it
     in its block as context (the last partial block is left out, as in training). The text is
-    eval_documents's: with `validation`, text files' validation split rather than all of them.
+    eval_documents's: `as_trained`, text files' validation split as training cut it for the
+    model's block size, rather than all of them.
 
     The softmax is over the tokenizer's ids only: the rows that pad a model.vocab_size beyond
     them are never sampled (generate.py) and a format=hf export has none, so a model and its
     exports get one loss. Training's val/loss counts them, and is higher by their share."""
-    documents, shown = eval_documents(config, validation)
+    trained_block_size = model.config.block_size if as_trained else None
+    documents, shown = eval_documents(config, trained_block_size)
     tokens, dropped = token_stream(tokenizer, documents)
     block = config.block_size
     if len(tokens) < block + 1:
@@ -227,12 +230,12 @@ def score_encdec(
     config: Seq2SeqDataConfig,
     batch_size: int,
     device: torch.device,
-    validation: bool = False,
+    as_trained: bool = False,
 ) -> dict:
     """Loss and perplexity over every target token (teacher-forced, as training validates), and
-    exact match and character error rate of greedy decodes of every pair: eval_pairs's, with
-    `validation` the validation pairs of data.paths rather than all of them."""
-    (sources, targets), dropped, shown = eval_pairs(config, tokenizer, validation)
+    exact match and character error rate of greedy decodes of every pair: eval_pairs's,
+    `as_trained` the validation pairs its run drew from its pairs rather than all of them."""
+    (sources, targets), dropped, shown = eval_pairs(config, tokenizer, as_trained)
     if len(sources) == 0:
         raise ValueError(f"{shown} holds no pair with a source this tokenizer can encode")
     ids = decoding_ids(tokenizer)
@@ -370,8 +373,8 @@ def run(cfg: DictConfig) -> dict:
     score = score_gpt if kind == "gpt" else score_encdec
     result = {"checkpoint": str(checkpoint), "kind": kind}
     # Without data=, the run's own validation split, whichever data gave it one
-    validation = choice is None
-    result |= score(model.to(device), tokenizer, config, options.batch_size, device, validation)
+    as_trained = choice is None
+    result |= score(model.to(device), tokenizer, config, options.batch_size, device, as_trained)
     result["data_config"] = asdict(config)
     report(result, out)
     return result

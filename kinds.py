@@ -1,8 +1,8 @@
 """The one table of model kinds: for each, its network and config (model/checkpoint.py's
 MODELS, which generate.py reads without data/ or the training stack), the LightningModule that
 trains it, the DataModule that feeds it, the lengths the model and its data share, the data
-choices that fit it, and what evaluate.py scores it on by default. A new kind of model is a
-row here and a row in MODELS.
+choices that fit it, and what evaluate.py scores it on by default where a checkpoint does not
+record its run's data. A new kind of model is a row here and a row in MODELS.
 
 Plain Python, beside errors.py, because both sides read it: train.py (through training/) and
 evaluate.py, which runs without Lightning. So the LightningModule and the DataModule are named

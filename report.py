@@ -238,7 +238,9 @@ def optuna_best(sweep_dir: Path) -> str:
     if not (_is_number(value) and isinstance(params, dict)):  # a hand's edit, a cut-off write
         why = best if isinstance(best, str) else "no best_value number and best_params mapping"
         return f"\nBest trial (Optuna): {results.name} cannot be read ({why})\n"
-    shown = ", ".join(f"{k}={v}" for k, v in params.items())
+    # as a command line gives them: null and true, not Python's None and True
+    values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in params.items()}
+    shown = ", ".join(f"{k}={v}" for k, v in values.items())
     return f"\nBest trial (Optuna): val loss {value:.4f} with {shown}\n"
 
 

@@ -24,6 +24,7 @@ from data.lm_text import (
     TokenWriter,
     documents_of,
     encode_held_out,
+    least_val_tail,
     texts_of,
     whole_batch,
 )
@@ -154,7 +155,7 @@ class LMDataModule(CachedDataModule):
                     )
                 key["val_files"] = file_fingerprint(val_files)
             else:
-                key["min_val_tail"] = c.block_size + 1  # a small text's val holds a block
+                key["min_val_tail"] = least_val_tail(c.block_size)
             return key
         if c.source == "hub":
             return {
@@ -203,7 +204,7 @@ class LMDataModule(CachedDataModule):
                 self._check_read_text_holds_blocks({"train": docs, "val": val_docs})
                 return self._given_split(docs, val_docs), False
             self._check_read_text_holds_blocks({None: docs})
-            min_tail = c.block_size + 1  # any text of two blocks trains: val gets one
+            min_tail = least_val_tail(c.block_size)
         else:
             title = hub_title(c.name, c.config)
             wanted = {"train": "data.name"}  # the splits read, checked before their rows are

@@ -248,14 +248,15 @@ def _whole(ds: "datasets.Dataset | datasets.IterableDataset") -> list[str]:
     return [text.strip("\n") for text in texts_of(ds)]  # separators come between documents
 
 
-def eval_documents(c: LMDataConfig, validation: bool = False) -> tuple[list[str], str]:
+def eval_documents(c: LMDataConfig, trained_block_size: int | None = None) -> tuple[list[str], str]:
     """The documents evaluate.py scores, and what they are, in words: every one of data.paths;
     a Hub dataset's test split; or the validation text exactly as training cuts it, from the
-    embedded plays, a Hub dataset (its own validation split, or its train split's share) or
-    (`validation`) text files."""
+    embedded plays, a Hub dataset (its own validation split, or its train split's share) or,
+    given the block size a run trained with (which decides how much a small text gives
+    validation), text files."""
     cache_dir = Path(c.cache_dir)
-    if c.source == "text_files" and validation:
-        return _text_files_validation(c)
+    if c.source == "text_files" and trained_block_size is not None:
+        return _text_files_validation(c, trained_block_size)
     if c.val_paths:
         raise ValueError(
             "data.val_paths: evaluate.py scores all of data.paths; put the files to score there"
@@ -287,7 +288,7 @@ def eval_documents(c: LMDataConfig, validation: bool = False) -> tuple[list[str]
     return _carved_validation(train, c.val_fraction), shown
 
 
-def _text_files_validation(c: LMDataConfig) -> tuple[list[str], str]:
+def _text_files_validation(c: LMDataConfig, block_size: int) -> tuple[list[str], str]:
     """The validation text of text files, as data/lm.py cuts it for training: data.val_paths's
     documents whole, else the tail of each document of a corpus of few (at least one block's
     worth in all), else one whole document in every 1/val_fraction."""
@@ -302,8 +303,13 @@ def _text_files_validation(c: LMDataConfig) -> tuple[list[str], str]:
         f"the validation split of data.paths ({len(files)} file(s), "
         f"data.val_fraction={c.val_fraction})"
     )
-    # any text of two blocks trains, as validation gets one
-    return _carved_validation(docs, c.val_fraction, min_tail=c.block_size + 1), shown
+    return _carved_validation(docs, c.val_fraction, min_tail=least_val_tail(block_size)), shown
+
+
+def least_val_tail(block_size: int) -> int:
+    """The fewest characters text files carved by val_fraction give validation: one block and
+    the token after it (a character is a token at most), so that any text of two blocks trains."""
+    return block_size + 1
 
 
 def _carved_validation(

@@ -247,23 +247,24 @@ TASK_BUILDERS = {"denoise": denoise_task, "next_line": next_line_task, "pairs": 
 
 
 def eval_pairs(
-    c: Seq2SeqDataConfig, tokenizer: CharTokenizer, validation: bool = False
+    c: Seq2SeqDataConfig, tokenizer: CharTokenizer, as_trained: bool = False
 ) -> tuple[Split, int, str]:
     """The pairs evaluate.py scores as token ids by `tokenizer`, the number of characters it
     dropped, and what they are, in words: every pair of data.paths, or (a Shakespeare task, or
-    `validation`) the task's validation pairs exactly as training builds them."""
-    split = f"data.val_fraction={c.val_fraction}, data.seed={c.seed}"
+    `as_trained`) the task's validation pairs exactly as training builds them."""
+    drawn = f"data.val_fraction={c.val_fraction}, data.seed={c.seed}"
     if c.task != "pairs":
         texts = TASK_BUILDERS[c.task](c)[0]["val"]
-        shown = f"the validation pairs of task={c.task} on the embedded plays ({split})"
-    elif validation:
+        shown = f"the validation pairs of task={c.task} on the embedded plays ({drawn})"
+    elif as_trained:
         texts = pairs_task(c)[0]["val"]
         where = f"data.hub_name={c.hub_name}" if c.hub_name else "data.paths"
-        shown = f"the validation pairs of {where} ({split})"
+        shown = f"the validation pairs of {where} ({drawn})"
     elif c.hub_name:
         raise ValueError(
             f"data.hub_name={c.hub_name}: evaluate.py scores pairs from local files; give "
-            "them as data=pairs 'data.paths=[pairs.jsonl]'"
+            "them as data=pairs 'data.paths=[pairs.jsonl]', or leave data= out to score the "
+            "validation pairs of a run that trained on this dataset"
         )
     else:
         sources, targets = load_pair_texts(c)

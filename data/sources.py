@@ -36,11 +36,19 @@ if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry 
 
 
 def progress_bars_on_terminals_only() -> None:
-    """No progress bars from `datasets` where stderr is not a terminal (a log file, a pipe), in
-    which each redraw piles onto one unreadable line; HF_DATASETS_DISABLE_PROGRESS_BARS=0 keeps
-    them. For the shell commands, before `datasets` is imported: it reads the setting then."""
-    if not sys.stderr.isatty():
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    """No progress bars from `datasets` (reading, mapping) or huggingface_hub (downloads) where
+    stderr is not a terminal (a log file, a pipe), in which each redraw piles onto one
+    unreadable line; HF_DATASETS_DISABLE_PROGRESS_BARS=0 or HF_HUB_DISABLE_PROGRESS_BARS=0 keeps
+    them. For the shell commands, before `datasets` is imported: it reads its setting then."""
+    if sys.stderr.isatty():
+        return
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" not in sys.modules:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    elif "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:  # it has read the variable already
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 # A line that is only a speaker's name, e.g. "**First Citizen**  ".

@@ -365,7 +365,8 @@ CASES = [
 ]  # fmt: skip
 
 # train.py's mistakes in data.* that only reading the data finds, refused in one line that holds
-# the message before any progress bar (`datasets`' reading the files, Lightning's): files checked
+# the message before any progress bar of `datasets` reading the files (drawn in the tests' pipes,
+# as on a terminal, by HF_DATASETS_DISABLE_PROGRESS_BARS=0) and any training step: files checked
 # with the config (a file's columns by its header, schema or first rows), a text too small for
 # the blocks by its files' sizes, a Hub dataset's splits by its files' names and its columns by
 # its card (or its files' schema), the batch before the sanity check. The default corpus is
@@ -504,10 +505,14 @@ def test_bad_input_gets_one_line_and_status_1(inputs, tmp_path, script, override
 def test_data_mistakes_are_refused_before_any_progress_bar(inputs, tmp_path, overrides, message):
     overrides = [o.format(tmp=inputs["tmp"]) for o in overrides]
     run_dir = f"hydra.run.dir={tmp_path / 'failed_run'}"
-    result = run_script("train.py", *overrides, "logger=none", run_dir, cache_dir=inputs["cache"])
+    bars = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "0"}
+    result = run_script(
+        "train.py", *overrides, "logger=none", run_dir, cache_dir=inputs["cache"], env=bars
+    )
     assert_refused(result, "error: ")
     assert message.format(tmp=inputs["tmp"]) in result.stderr.splitlines()[-1]
     assert not PROGRESS_BAR.search(result.stdout + result.stderr), result.stderr[-3000:]
+    assert "step " not in result.stdout  # no progress line: no step trained
 
 
 @pytest.mark.slow

@@ -322,8 +322,9 @@ def test_encdec_reproduces_the_runs_validation_pairs(encdec_run, pairs_file, cac
             r"data=shakespeare_char is data for the other kind of model and .* is an "
             r"encoder-decoder: score it on data=pairs",
         ),
-        ("gpt", ["+data.split=test"], r"data.split=test: the embedded plays have no test split"),
-        ("gpt", ["+data.nope=1"], r"data.nope is not an option of the default data; its options"),
+        # the command's own mistakes, not put down to the run's data
+        ("gpt", ["+data.split=test"], r"^error: data.split=test: the embedded plays have no test"),
+        ("gpt", ["+data.nope=1"], r"^error: data.nope is not an option of the default data; its"),
         ("gpt", ["batch_size=0"], r"batch_size must be a positive integer, got 0"),
         (
             "gpt",
@@ -333,8 +334,8 @@ def test_encdec_reproduces_the_runs_validation_pairs(encdec_run, pairs_file, cac
         (
             "gpt",
             ["+data.block_size=64"],  # no data=: the key the message suggests is added, with +
-            r"data.block_size=64 is more than the checkpoint's model.block_size=32, the longest "
-            r"it was trained on; set \+data.block_size=32 or less$",
+            r"^error: data.block_size=64 is more than the checkpoint's model.block_size=32, the "
+            r"longest it was trained on; set \+data.block_size=32 or less$",
         ),
         (
             "encdec",

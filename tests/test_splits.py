@@ -2,6 +2,7 @@
 a corpus of few documents (one file of any shape), whole documents for a corpus of many, and a
 Hub dataset's own validation split when it has one."""
 
+import dataclasses
 import json
 import re
 
@@ -276,6 +277,7 @@ def test_few_paragraphs_give_each_ones_tail(tmp_path):
         "shorter than its blocks' share",
         "val_paths",
         "jsonl",
+        "hub dataset without a validation split",
     ],
 )
 def test_evaluate_py_reads_a_text_files_runs_validation_split_token_for_token(tmp_path, corpus):
@@ -294,18 +296,29 @@ def test_evaluate_py_reads_a_text_files_runs_validation_split_token_for_token(tm
         path.write_text("\n".join(LINES[:30]))
         (tmp_path / "valid.txt").write_text("\n\n".join(LINES[30:]))
         options["val_paths"] = [str(tmp_path / "valid.txt")]
-    else:
+    elif corpus == "jsonl":
         path = tmp_path / "corpus.jsonl"
         path.write_text("".join(json.dumps({"body": line}) + "\n" for line in LINES))
         options["text_column"] = "body"
-    module = prepared(source="text_files", paths=[str(path)], cache_dir=tmp_path, **options)
-    documents, shown = eval_documents(module.config, validation=True)
+    if corpus.startswith("hub"):  # carved by val_fraction too, with no least tail
+        hub = write_hub_dataset(tmp_path / "hub", {"train": HUB_ROWS[:200]})
+        module = prepared(source="hub", name=str(hub), cache_dir=tmp_path)
+    else:
+        module = prepared(source="text_files", paths=[str(path)], cache_dir=tmp_path, **options)
+    # Scored in blocks smaller than the run's: the text is the run's all the same
+    scored_as = dataclasses.replace(module.config, block_size=4)
+    documents, shown = eval_documents(scored_as, trained_block_size=module.config.block_size)
     tokens, dropped = token_stream(module.tokenizer, documents)
     assert tokens.tolist() == np.asarray(module._split("val")).tolist()
     assert dropped == 0 and len(tokens) > module.config.block_size
-    assert shown.startswith("all of data.val_paths" if "val_paths" in options else "the validat")
-    # Without validation=True, all of data.paths, as data=text_files scores it
-    if "val_paths" not in options:
+    if corpus.startswith("hub"):
+        assert shown == f"data.val_fraction=0.1 of the train split of {hub}, which has no " + (
+            "validation split"
+        )
+    elif "val_paths" in options:
+        assert shown.startswith("all of data.val_paths")
+    else:  # without the run's block size, all of data.paths, as data=text_files scores it
+        assert shown.startswith("the validation split of data.paths")
         everything, _ = token_stream(module.tokenizer, eval_documents(module.config)[0])
         assert len(everything) > len(tokens)
 

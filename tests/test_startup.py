@@ -1,11 +1,15 @@
 """A run's start: importing train.py runs no full collection over the heap the imports build, and
 leaves collection on with that heap frozen out of later ones (and out of the one at exit);
-starting W&B does not import W&B Launch unless Launch inputs may have been staged; and a W&B
-run started in the background has imported what logging its first attention map needs."""
+starting W&B does not import W&B Launch unless Launch inputs may have been staged; a W&B run
+started in the background has imported what logging its first attention map needs; and in a log
+the libraries that read data draw no progress bars."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from helpers import ROOT, clean_env
 from wandb_offline import config, run_info
@@ -30,6 +34,39 @@ def test_importing_train_collects_nothing_and_freezes_what_it_imported():
     assert enabled == "True"  # a run's own garbage is still collected
     assert int(frozen) > 100_000  # torch, Lightning and Hydra's objects
     assert full_collections == "0"
+
+
+BARS_PROBE = """
+import sys
+if sys.argv[1] == "hub imported first":  # as train.py has it, through its imports
+    import huggingface_hub
+from data.sources import progress_bars_on_terminals_only
+progress_bars_on_terminals_only()
+import datasets
+from huggingface_hub.utils import are_progress_bars_disabled
+print(datasets.utils.are_progress_bars_disabled(), are_progress_bars_disabled())
+"""
+
+
+@pytest.mark.parametrize("order", ["hub imported first", "hub imported later"])
+@pytest.mark.parametrize(
+    ("settings", "disabled"),
+    [({}, "True True"), ({"HF_DATASETS_DISABLE_PROGRESS_BARS": "0"}, "False True")]
+    + [({"HF_HUB_DISABLE_PROGRESS_BARS": "0"}, "True False")],
+    ids=["unset", "datasets' kept", "the hub's kept"],
+)
+def test_a_log_gets_no_progress_bars_from_datasets_or_the_hub(order, settings, disabled):
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
+    result = subprocess.run(
+        [sys.executable, "-c", BARS_PROBE, order],
+        cwd=ROOT,
+        env={**env, **settings},
+        capture_output=True,  # stderr a pipe, not a terminal
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == disabled
 
 
 # An offline W&B run started by our logger; with "stage", Launch inputs staged first through

@@ -229,7 +229,10 @@ def test_optuna_search_prunes_records_failures_and_resumes(tmp_path, cache):
         "model.attention.dropout": 0.0,
         "optim.lr": 0.01,
     }
-    assert "Best trial (Optuna)" in report.report(sweep)
+    assert "Best trial (Optuna): val loss " in report.report(sweep)
+    assert "with model.attention.n_kv_head=1, model.attention.dropout=0.0, optim.lr=0.01\n" in (
+        report.report(sweep)
+    )
 
     # A search killed during a trial leaves it RUNNING: resuming closes it as failed and runs its
     # values again, in a new trial and directory, and only as many trials as are missing.
@@ -285,6 +288,18 @@ def test_report_lists_a_job_whose_summary_cannot_be_read_and_reports_the_others(
     ]
     for plot in ("val_loss.png", "loss_curves.png"):
         assert (sweep / plot).stat().st_size > 10_000
+
+
+def test_an_optuna_best_trial_is_reported_as_a_command_line_gives_its_values(tmp_path):
+    sweep = sweep_of(tmp_path / "sweep", 2)
+    best = (
+        "best_value: 1.5\nbest_params: {model.position: rope, optim.lr: 0.002, a: null, b: true}\n"
+    )
+    (sweep / "optimization_results.yaml").write_text(best)
+    result = report_command(sweep, tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = "val loss 1.5000 with model.position=rope, optim.lr=0.002, a=null, b=true\n"
+    assert f"Best trial (Optuna): {shown}" in result.stdout
 
 
 @pytest.mark.parametrize(

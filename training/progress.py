@@ -17,6 +17,9 @@ SHOWN = {"train/loss": "train/loss", "val/loss": "val/loss", "train/tokens_per_s
 def progress_bar(refresh_rate: int, every_seconds: float) -> ProgressBar:
     """The bar, redrawn every `refresh_rate` steps, where stdout is a terminal; else a line every
     `every_seconds` (configs/callbacks/default.yaml's progress_bar)."""
+    number = isinstance(every_seconds, int | float) and not isinstance(every_seconds, bool)
+    key = "callbacks.progress_bar.every_seconds"  # checked on a terminal too: a log may come next
+    check(number and every_seconds > 0, key, "a positive number of seconds", every_seconds)
     if sys.stdout.isatty():
         return TQDMProgressBar(refresh_rate=refresh_rate)
     return LineProgress(every_seconds)
@@ -38,13 +41,14 @@ class LineProgress(ProgressBar):
 
     def __init__(self, every_seconds: float = 30.0) -> None:
         super().__init__()
-        number = isinstance(every_seconds, int | float) and not isinstance(every_seconds, bool)
-        key = "callbacks.progress_bar.every_seconds"
-        check(number and every_seconds > 0, key, "a positive number of seconds", every_seconds)
         self.every_seconds = every_seconds
         self.enabled = True
         self._started = self._last_line = 0.0
         self._first_step = 0
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enabled
 
     def disable(self) -> None:
         self.enabled = False
