@@ -366,7 +366,9 @@ def run(cfg: DictConfig) -> dict:
     kind = hparams.get("kind", "gpt")
     config = data_config(cfg, KINDS[kind], hparams, str(checkpoint))
     choice = HydraConfig.get().runtime.choices.get("data")
-    name = (choice or "val") + ("_test" if getattr(config, "split", None) == "test" else "")
+    name = choice or "val"
+    if getattr(config, "split", None) == "test":  # a Hub dataset's, given or the run's own
+        name = f"{choice}_test" if choice else "test"
     out = Path(options.out).expanduser() if options.out else default_out(checkpoint, name)
     check_out(out, f"out={options.out}" if options.out else f"the default out={out}")
     tokenizer = tokenizer_from_dict(hparams["tokenizer"])

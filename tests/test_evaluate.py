@@ -278,6 +278,9 @@ def test_hub_dataset_validation_and_test_splits(hub_run, hub_dataset, cache):
     assert test["data"] == f"the 'test' split of {hub_dataset}"
     assert test["out"] == str(hub_run / "eval_hub_test.json")
     assert test["loss"] != validation["loss"]
+    its_test = evaluate(cache, f"ckpt={hub_run}", "+data.split=test")  # of the run's dataset
+    assert its_test["out"] == str(hub_run / "eval_test.json")
+    assert its_test["loss"] == test["loss"]
 
 
 @pytest.mark.slow
