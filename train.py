@@ -124,11 +124,10 @@ def build_module(plan: Plan, tokenizer) -> L.LightningModule:
     return module
 
 
-def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
+def build_trainer(plan: Plan, stop: StopSignals) -> L.Trainer:
     """The Trainer with the config's callbacks and loggers, and ours: the state a resumed run
     needs, the stop on SIGTERM or Ctrl-C, and the start of an offline W&B run, on a thread once
     the first step is done."""
-    stop = StopSignals()
     callbacks = [instantiate_checked(c) for c in (plan.cfg.get("callbacks") or {}).values()]
     loggers = [
         instantiate_checked(
@@ -153,7 +152,7 @@ def build_trainer(plan: Plan) -> tuple[L.Trainer, StopSignals]:
     )
     check_not_ddp_in_sweep(trainer.world_size)
     finish_maps_later(callbacks)  # after the end-of-run printout: see fit()
-    return trainer, stop
+    return trainer
 
 
 def run_fit(
@@ -166,7 +165,6 @@ def run_fit(
     """(status, error): how Trainer.fit ended ("pruned": an Optuna trial's pruner stopped it
     early). Running out of memory, and a checkpoint whose
     optimizer state does not fit, are one-line errors."""
-    stop.guard_shutdown(trainer)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=plan.resume.path, weights_only=True)
     except SIGTERMException:
@@ -186,14 +184,14 @@ def run_fit(
     return ("pruned" if pruned_reason(trainer) else "completed"), None
 
 
-def fit(cfg: DictConfig) -> float | None:
+def fit(cfg: DictConfig, stop: StopSignals) -> float | None:
     started = time.perf_counter()
     with refused_leaves_no_record():
         plan = check_options(cfg)
         if plan.resume.says_nothing_to_train():
             return None
         datamodule = instantiate_checked(plan.cfg.data)
-        trainer, stop = build_trainer(plan)
+        trainer = build_trainer(plan, stop)
         L.seed_everything(plan.cfg.seed, workers=True)
         prepare_data(plan, datamodule, trainer.world_size)
         module = build_module(plan, datamodule.tokenizer)
@@ -224,11 +222,15 @@ def fit(cfg: DictConfig) -> float | None:
 
 def train(cfg: DictConfig) -> float | None:
     """Train in cfg's run directory, as its one writer: a second run or a resume started there
-    while this one runs is refused (the other ranks of a distributed run write nothing)."""
-    with refused_leaves_no_record():
-        claim = claim_run_dir(Path(cfg.paths.output_dir)) if rank_zero_only.rank == 0 else None
-    with claim or nullcontext():
-        return fit(cfg)
+    while this one runs is refused (the other ranks of a distributed run write nothing). SIGTERM
+    and Ctrl-C are StopSignals' from the first check on, so that before the first step (preparing
+    the data too) they end the command at once with their status, not a traceback."""
+    stop = StopSignals()
+    with stop.handling_signals():
+        with refused_leaves_no_record():
+            claim = claim_run_dir(Path(cfg.paths.output_dir)) if rank_zero_only.rank == 0 else None
+        with claim or nullcontext():
+            return fit(cfg, stop)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")

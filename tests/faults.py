@@ -15,6 +15,8 @@ import time
 import lightning as L
 import torch
 
+from data.lm_text import TokenWriter
+
 
 def signal_once_saved(trainer: L.Trainer, signum: int) -> None:
     """Send this process `signum` once the checkpoints written so far are on disk (they are
@@ -78,6 +80,26 @@ class SignalInSanityCheck(L.Callback):
     def on_validation_batch_end(self, trainer: L.Trainer, *args) -> None:
         if trainer.sanity_checking:
             os.kill(os.getpid(), self.signum)
+
+
+class SignalWhileWritingTokens(L.Callback):
+    """Send this process the signal `signum` as it writes the data cache's token files, once it
+    has written `documents` documents: the data is being prepared, the entry half-written. Set
+    up as the Trainer is built, before the data is prepared; a run that finds the entry built
+    writes no tokens."""
+
+    def __init__(self, signum: int, documents: int = 10) -> None:
+        append = TokenWriter.append
+        written = 0
+
+        def append_then_signal(writer: TokenWriter, ids: list[int]) -> None:
+            nonlocal written
+            append(writer, ids)
+            written += 1
+            if written == documents:
+                os.kill(os.getpid(), signum)
+
+        TokenWriter.append = append_then_signal
 
 
 class NaNWeights(L.Callback):

@@ -1,7 +1,7 @@
 """What a careless user or an unkind machine does to a run directory, tried for real: a kill
-after a validation that was not a best, Ctrl-C during a validation, a corpus the default
-sample prompt does not fit, a run directory copied elsewhere and resumed, and two writers in
-one directory."""
+after a validation that was not a best, Ctrl-C during a validation, a signal in the sanity
+check or while the data is prepared, a corpus the default sample prompt does not fit, a run
+directory copied elsewhere and resumed, and two writers in one directory."""
 
 import json
 import resource
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.cache import entry_problem
 from helpers import ROOT, SMALLEST, clean_env, fault, run_training
 
 pytestmark = pytest.mark.slow
@@ -132,6 +133,38 @@ def test_a_signal_in_the_sanity_check_stops_the_run_with_its_status(tmp_path, si
             "Ctrl-C before training began: stopping, nothing saved"
         )
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def cache_entries(cache: Path) -> list[str]:
+    """The names under the cache's LM entries but their locks: entries, and the temporary
+    directories of builds (.tmp-*)."""
+    return sorted(p.name for p in (cache / "lm").iterdir() if not p.name.endswith(".lock"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_preparing_the_data_stops_the_run_and_leaves_no_entry(tmp_path, signum):
+    """A signal while the corpus is tokenized into the cache, its token files half-written, ends
+    the run at once as in the sanity check (Ctrl-C was a traceback and status 1): no summary,
+    and no cache entry but the build's temporary directory, which the next run's build of the
+    entry removes as it builds the entry whole."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    command = [*SMALLEST, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
+    stop = fault("SignalWhileWritingTokens", signum=signum)
+    stopped = run_training(cache, *command, *stop)
+    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    if signum == signal.SIGINT:
+        assert stopped.stderr.strip().splitlines()[-1] == (
+            "Ctrl-C before training began: stopping, nothing saved"
+        )
+    assert not (run_dir / "summary.json").exists()
+    assert [name[:5] for name in cache_entries(cache)] == [".tmp-"]
+
+    done = run_training(cache, *command)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (entry,) = cache_entries(cache)
+    assert entry_problem(cache / "lm" / entry) is None
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
 def test_default_prompt_outside_the_vocabulary_falls_back_and_a_given_one_fails_early(tmp_path):

@@ -12,9 +12,11 @@ continues with, what it may not change, what its checkpoints carry, and how it s
   ExactRestart corrects Lightning's saved loop counts where its restart would misread them
   (checkpoints written at or after an epoch's end, or in the last step's validation).
 - StopSignals turns SIGINT, like SIGTERM, into a stop at the next step boundary with a
-  checkpoint, at the same batch on every rank of a distributed run.
+  checkpoint, at the same batch on every rank of a distributed run; before the first step
+  (preparing the data, the sanity check), into the end of the command.
 """
 
+import os
 import random
 import shutil
 import signal
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 import lightning as L
 import torch
@@ -445,6 +447,29 @@ def _no_broadcast() -> None:
     pass
 
 
+# Where a run is, for what a signal does: "starting" until its first step (the checks, preparing
+# the data, Lightning's sanity check), "training", then "stopping" (on a signal or a failure:
+# fit() raised) or "finished" (fit() returned).
+Phase = Literal["starting", "training", "stopping", "finished"]
+
+
+def _in_a_dataloader_worker() -> bool:
+    """Whether this process is a DataLoader's worker, forked from the run's with our SIGINT
+    handler (its SIGTERM is torch's), which a terminal's Ctrl-C reaches too: it goes on loading
+    the batches that the run, stopping at the step, still asks for, and the run ends it."""
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _end_workers() -> None:
+    """Kill the processes this one started to help it (datasets.map's pool and the manager of
+    its queues, a DataLoader's workers): a process that exits at once does not end them, and a
+    pool's workers would wait for its tasks forever."""
+    for name in ("multiprocess", "multiprocessing"):  # datasets' pools, and torch's
+        module = sys.modules.get(name)
+        for child in module.active_children() if module else []:
+            child.kill()
+
+
 def last_checkpoint_path(trainer: L.Trainer) -> Path | None:
     callback = trainer.checkpoint_callback
     if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None:
@@ -458,6 +483,9 @@ class StopSignals(L.Callback):
     Lightning stops after the current batch: the checkpoint keeps the step's gradients so far).
     A Ctrl-C during a validation lets it finish first (its loss, and a best checkpoint, would
     otherwise be lost: the resumed run does not repeat it). A second Ctrl-C quits at once.
+    Before training (the checks, preparing the data, the sanity check) there is nothing to save:
+    either signal ends the process at once, with the status a shell gives it (130, 143) and, for
+    Ctrl-C, one line.
 
     On one process, Lightning's SIGTERM handler sets a flag that its loops turn into a
     SIGTERMException at the end of the batch; SIGINT is routed through the same path. In a run of
@@ -476,26 +504,43 @@ class StopSignals(L.Callback):
     def __init__(self) -> None:
         self.signum: int | None = None
         self.saved: Path | None = None
-        self._previous_sigint = None
         self._sigterm_handler = None
-        self._training = False
+        self._phase: Phase = "starting"
         self._trainer: L.Trainer | None = None
         self._stop_after_validation = False
         self._distributed = False
+        self._pid = os.getpid()  # a process forked from this one inherits our handlers
 
-    def guard_shutdown(self, trainer: L.Trainer) -> None:
-        """Called before Trainer.fit: SIGTERM gets a handler of ours, which Lightning calls
-        beside its own while it trains and puts back when it is done, and SIGINT one until
-        training ends. Once a stop is under way, another SIGTERM (a scheduler repeating itself)
-        is ignored, so that the checkpoint and the summary are finished rather than cut short;
-        before training (the sanity check), either signal ends the process at once, with the
-        status a shell gives it (130, 143) and, for Ctrl-C, one line. In a run of several
-        processes, Lightning's own handler is made to do nothing: ours records the signal, and
-        the ranks agree on the stop (see the class's docstring)."""
+    @contextmanager
+    def handling_signals(self) -> Iterator[None]:
+        """SIGTERM and SIGINT are ours while the block runs (a whole run, from its first check),
+        and the handlers before it are put back after it, so that a sweep's next job starts as
+        this one did. Lightning calls our SIGTERM handler beside its own while it trains, and
+        puts ours back when it is done. Once a stop is under way, another SIGTERM (a scheduler
+        repeating itself) is ignored, so that the checkpoint and the summary are finished rather
+        than cut short."""
+        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        # Ctrl-C too, from here: in the sanity check Lightning would take it for its own and end
-        # the process with status 1, in silence.
-        self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        # Ctrl-C too: before training Lightning would take it for its own in the sanity check
+        # and end the process with status 1, in silence, and elsewhere Python with a traceback.
+        signal.signal(signal.SIGINT, self._on_sigint)
+        ending = False
+        try:
+            yield
+        except SystemExit:
+            # The process is ending (with a stop's status, say): ours stay to its end, so that
+            # a SIGTERM a scheduler repeats meanwhile is ignored rather than fatal.
+            ending = True
+            raise
+        finally:
+            if not ending:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """In a run of several processes, Lightning's own SIGTERM handler is made to do nothing
+        (called in fit before Lightning installs it): ours records the signal, and the ranks
+        agree on the stop (see the class's docstring)."""
         self._distributed = trainer.world_size > 1
         if self._distributed:
             # The method Lightning installs as its SIGTERM handler as the fit starts, with ours
@@ -507,27 +552,32 @@ class StopSignals(L.Callback):
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
     def _on_sigterm(self, signum: int, frame) -> None:
-        if self.signum is not None:
+        if self._phase == "starting":
+            self._end_before_training(signum)
+        elif self.signum is not None:
             print(
                 f"{signal.Signals(signum).name}: a stop is already under way (saving, then "
                 "stopping)",
                 file=sys.stderr,
             )
-        elif not self._training:
+        elif self._phase != "training":  # a run failing, or done training
             raise SystemExit(128 + signum)
         elif self._distributed:
             self.signum = signal.SIGTERM  # the ranks agree on the stop after this batch
         # on one process, Lightning's handler (called beside this one) stops at the next step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._training, self._trainer = True, trainer
+        self._phase, self._trainer = "training", trainer
         self._sigterm_handler = signal.getsignal(signal.SIGTERM)
 
     def _on_sigint(self, signum: int, frame) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: quit now
-        if not self._training:  # the sanity check, before any step: nothing to save
-            print("\nCtrl-C before training began: stopping, nothing saved", file=sys.stderr)
+        if _in_a_dataloader_worker():
+            return
+        if self._phase == "starting":
+            self._end_before_training(signum)
+        if self._phase != "training":  # a run stopping, failing, or done training: quit now
             raise SystemExit(128 + signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: quit now
         self.signum = signal.SIGINT
         trainer = self._trainer
         validating = trainer is not None and trainer.validating
@@ -541,6 +591,24 @@ class StopSignals(L.Callback):
             self._stop_after_validation = True
         else:
             self._stop_at_step_boundary()
+
+    def _end_before_training(self, signum: int) -> NoReturn:
+        """Before any step (the checks, preparing the data, the sanity check) there is nothing
+        to save: end the process at once, with the status a shell gives one that the signal
+        ended, and for Ctrl-C one line. At once, not by an exception through the code it
+        interrupts: datasets.map, ending its pool of workers that the signal reached too, waits
+        forever on a lock that a dead worker held. Nothing is left half-done that a later run
+        would use: the data cache builds an entry aside and moves it into place whole, and the
+        next build of that entry removes what this one had written (data/cache.py)."""
+        if os.getpid() == self._pid:  # a worker of datasets.map's pool ends quietly
+            if signum == signal.SIGINT:
+                print("\nCtrl-C before training began: stopping, nothing saved", file=sys.stderr)
+            # torch's SIGCHLD handler would raise, told of the DataLoader workers killed here
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _end_workers()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(128 + signum)
 
     def _stop_at_step_boundary(self) -> None:
         # Distributed, `signum` is all it takes: the ranks agree on the stop after the batch.
@@ -557,7 +625,7 @@ class StopSignals(L.Callback):
         if self._stop_after_validation:
             self._stop_after_validation = False
             self._stop_at_step_boundary()
-        if self._distributed and self._training:  # not in the sanity check, before training
+        if self._distributed and self._phase == "training":  # not in the sanity check
             self._agree_on_stop(trainer)
 
     def _agree_on_stop(self, trainer: L.Trainer) -> None:
@@ -568,7 +636,7 @@ class StopSignals(L.Callback):
 
         Called on every rank after each batch and each validation, in runs of several processes
         only: it costs one all-reduce of one number per batch, read on the host, in place of
-        Lightning's own check before every batch (a broadcast, turned off by guard_shutdown)."""
+        Lightning's own check before every batch (a broadcast, turned off by setup)."""
         asked = torch.tensor([self.signum or 0], device=trainer.strategy.root_device)
         torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
         signum = int(asked.item())  # the one wait for the device of the agreement
@@ -576,14 +644,8 @@ class StopSignals(L.Callback):
             self.signum = signum
             trainer._signal_connector.received_sigterm = True  # what Lightning's handler sets
 
-    def _restore_sigint(self) -> None:
-        if self._previous_sigint is not None:
-            signal.signal(signal.SIGINT, self._previous_sigint)
-            self._previous_sigint = None
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._training = False
-        self._restore_sigint()
+        self._phase = "finished"
 
     def exit(self, trainer: L.Trainer, run_dir: str) -> NoReturn:
         """After fit() stopped on a signal: how to continue, and the exit status a shell gives a
@@ -604,8 +666,8 @@ class StopSignals(L.Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        self._training = False
-        self._restore_sigint()
+        self._phase = "stopping"
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # stopping: Ctrl-C quits now
         if not isinstance(exception, SIGTERMException):
             return  # a failure (say a non-finite loss) must not overwrite the last good state
         self.signum = self.signum or signal.SIGTERM
