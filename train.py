@@ -211,8 +211,8 @@ def fit(cfg: DictConfig, stop: StopSignals) -> float | None:
     if status not in ("completed", "pruned"):
         finish_wandb()  # before the ranks end together (StopSignals.exit): its last writes too
         stop.exit(trainer, plan.run_dir)
-    if trainer.is_global_zero:
-        print_end(trainer, plan.sample, datamodule, plan.run_dir)  # the last maps draw meanwhile
+    if trainer.is_global_zero:  # the last maps draw meanwhile
+        stop.run_sample(lambda: print_end(trainer, plan.sample, datamodule, plan.run_dir))
     finish_maps(trainer)
     if trainer.is_global_zero:  # again, now with the time the last maps took
         write_summary(plan.run_dir, run_summary(trainer, started, status, None))
@@ -224,9 +224,11 @@ def train(cfg: DictConfig) -> float | None:
     """Train in cfg's run directory, as its one writer: a second run or a resume started there
     while this one runs is refused (the other ranks of a distributed run write nothing). SIGTERM
     and Ctrl-C are StopSignals' from the first check on, so that before the first step (preparing
-    the data too) they end the command at once with their status, not a traceback."""
+    the data too) they end the command at once with their status, not a traceback, and to the
+    process's end but in a sweep, so that once training has completed they end the end-of-run
+    sample and the run ends completed, status 0, as summary.json says."""
     stop = StopSignals()
-    with stop.handling_signals():
+    with stop.handling_signals(put_back=in_sweep()):
         with refused_leaves_no_record():
             claim = claim_run_dir(Path(cfg.paths.output_dir)) if rank_zero_only.rank == 0 else None
         with claim or nullcontext():

@@ -15,6 +15,7 @@ import time
 import lightning as L
 import torch
 
+import model.sampling
 from data.lm_text import TokenWriter
 
 
@@ -100,6 +101,22 @@ class SignalWhileWritingTokens(L.Callback):
                 os.kill(os.getpid(), signum)
 
         TokenWriter.append = append_then_signal
+
+
+class SignalDuringTheSample(L.Callback):
+    """Send this process the signal `signum` in the end-of-run sample, once it has printed
+    `tokens` tokens: training is over, and saved."""
+
+    def __init__(self, signum: int, tokens: int = 5) -> None:
+        generate = model.sampling.generate
+
+        def generate_then_signal(*args, **kwargs):
+            for count, token in enumerate(generate(*args, **kwargs), 1):
+                yield token
+                if count == tokens:
+                    os.kill(os.getpid(), signum)
+
+        model.sampling.generate = generate_then_signal
 
 
 class NaNWeights(L.Callback):

@@ -1,7 +1,8 @@
 """What a careless user or an unkind machine does to a run directory, tried for real: a kill
 after a validation that was not a best, Ctrl-C during a validation, a signal in the sanity
-check or while the data is prepared, a corpus the default sample prompt does not fit, a run
-directory copied elsewhere and resumed, and two writers in one directory."""
+check, while the data is prepared or in the end-of-run sample, a corpus the default sample
+prompt does not fit, a run directory copied elsewhere and resumed, and two writers in one
+directory."""
 
 import json
 import resource
@@ -165,6 +166,26 @@ def test_a_signal_while_preparing_the_data_stops_the_run_and_leaves_no_entry(tmp
     (entry,) = cache_entries(cache)
     assert entry_problem(cache / "lm" / entry) is None
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_in_the_end_of_run_sample_cuts_it_short_and_the_run_completes(tmp_path, signum):
+    """Training is complete and saved when the sample begins: a signal there ends the sample,
+    and the run ends as summary.json says, completed, with status 0. It ended with the signal's
+    status, 143 or 130 (Ctrl-C saying "before training began"), and summary.json "completed"."""
+    run_dir = tmp_path / "run"
+    command = [*SMALLEST, "trainer.max_steps=2", "sample.max_new_tokens=200"]
+    command += [*fault("SignalDuringTheSample", signum=signum), f"hydra.run.dir={run_dir}"]
+    result = run_training(tmp_path / "cache", *command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    stop = f"{name}: training is complete and saved; the end-of-run sample stops here"
+    assert result.stderr.splitlines().count(stop) == 1, result.stderr[-3000:]
+    assert "sample:" in result.stdout and "\nmore: python generate.py" not in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("completed", 2)
+    assert step_of(run_dir / "checkpoints" / "last.ckpt") == 2
 
 
 def test_default_prompt_outside_the_vocabulary_falls_back_and_a_given_one_fails_early(tmp_path):

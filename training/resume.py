@@ -21,7 +21,7 @@ import random
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -453,6 +453,11 @@ def _no_broadcast() -> None:
 Phase = Literal["starting", "training", "stopping", "finished"]
 
 
+class SampleCutShort(BaseException):
+    """A signal in the end-of-run sample, raised there to end it. Not an Exception: print_end
+    takes those for a failed sample."""
+
+
 def _in_a_dataloader_worker() -> bool:
     """Whether this process is a DataLoader's worker, forked from the run's with our SIGINT
     handler (its SIGTERM is torch's), which a terminal's Ctrl-C reaches too: it goes on loading
@@ -485,7 +490,8 @@ class StopSignals(L.Callback):
     otherwise be lost: the resumed run does not repeat it). A second Ctrl-C quits at once.
     Before training (the checks, preparing the data, the sanity check) there is nothing to save:
     either signal ends the process at once, with the status a shell gives it (130, 143) and, for
-    Ctrl-C, one line.
+    Ctrl-C, one line. Once training is complete (fit() returned), either ends the end-of-run
+    sample (run_sample), and the run ends completed, as summary.json says.
 
     On one process, Lightning's SIGTERM handler sets a flag that its loops turn into a
     SIGTERMException at the end of the batch; SIGINT is routed through the same path. In a run of
@@ -510,15 +516,19 @@ class StopSignals(L.Callback):
         self._stop_after_validation = False
         self._distributed = False
         self._pid = os.getpid()  # a process forked from this one inherits our handlers
+        self._sampling = False
+        self._sample_cut_short = False
 
     @contextmanager
-    def handling_signals(self) -> Iterator[None]:
-        """SIGTERM and SIGINT are ours while the block runs (a whole run, from its first check),
-        and the handlers before it are put back after it, so that a sweep's next job starts as
-        this one did. Lightning calls our SIGTERM handler beside its own while it trains, and
-        puts ours back when it is done. Once a stop is under way, another SIGTERM (a scheduler
-        repeating itself) is ignored, so that the checkpoint and the summary are finished rather
-        than cut short."""
+    def handling_signals(self, put_back: bool) -> Iterator[None]:
+        """SIGTERM and SIGINT are ours from the block's start (a run's first check). With
+        `put_back`, the handlers before it are put back when it ends, so that a sweep's next job
+        starts as this one did; without, ours stay to the process's end, so that a signal as it
+        finishes the run (W&B's last writes, the interpreter's exit) does not kill a run that
+        summary.json says completed. Lightning calls our SIGTERM handler beside its own while it
+        trains, and puts ours back when it is done. Once a stop is under way, another SIGTERM (a
+        scheduler repeating itself) is ignored, so that the checkpoint and the summary are
+        finished rather than cut short."""
         previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # Ctrl-C too: before training Lightning would take it for its own in the sanity check
@@ -533,7 +543,7 @@ class StopSignals(L.Callback):
             ending = True
             raise
         finally:
-            if not ending:
+            if put_back and not ending:
                 for signum, handler in previous.items():
                     signal.signal(signum, handler)
 
@@ -554,13 +564,15 @@ class StopSignals(L.Callback):
     def _on_sigterm(self, signum: int, frame) -> None:
         if self._phase == "starting":
             self._end_before_training(signum)
+        elif self._phase == "finished":
+            self._cut_sample_short(signum)
         elif self.signum is not None:
             print(
                 f"{signal.Signals(signum).name}: a stop is already under way (saving, then "
                 "stopping)",
                 file=sys.stderr,
             )
-        elif self._phase != "training":  # a run failing, or done training
+        elif self._phase == "stopping":  # a run failing
             raise SystemExit(128 + signum)
         elif self._distributed:
             self.signum = signal.SIGTERM  # the ranks agree on the stop after this batch
@@ -575,7 +587,10 @@ class StopSignals(L.Callback):
             return
         if self._phase == "starting":
             self._end_before_training(signum)
-        if self._phase != "training":  # a run stopping, failing, or done training: quit now
+        if self._phase == "finished":
+            self._cut_sample_short(signum)
+            return
+        if self._phase == "stopping":  # on a signal or a failure: quit now
             raise SystemExit(128 + signum)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: quit now
         self.signum = signal.SIGINT
@@ -609,6 +624,33 @@ class StopSignals(L.Callback):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(128 + signum)
+
+    def run_sample(self, sample: Callable[[], None]) -> None:
+        """Run `sample` (the end-of-run sample, once training is complete), which SIGTERM or
+        Ctrl-C ends where it is; skip it where one came already."""
+        if self._sample_cut_short:
+            return
+        self._sampling = True
+        try:
+            sample()
+            self._sampling = False  # in the try: a signal until here is caught below
+        except SampleCutShort:
+            self._sampling = False
+
+    def _cut_sample_short(self, signum: int) -> None:
+        """Training is complete, its checkpoints and summary.json written: a signal now ends
+        the end-of-run sample, once, and the run ends as the completed run it is, with status 0
+        as summary.json says. Exiting with the signal's status instead would tell a scheduler
+        to run again a job that has nothing left to train."""
+        if self._sample_cut_short:
+            return
+        self._sample_cut_short = True
+        if self._trainer is None or self._trainer.is_global_zero:
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            what = "the end-of-run sample stops here" if self._sampling else "finishing"
+            print(f"\n{name}: training is complete and saved; {what}", file=sys.stderr)
+        if self._sampling:
+            raise SampleCutShort
 
     def _stop_at_step_boundary(self) -> None:
         # Distributed, `signum` is all it takes: the ranks agree on the stop after the batch.
