@@ -111,6 +111,7 @@ def test_ctrl_c_during_a_validation_lets_it_finish_then_stops(tmp_path):
     assert interrupted.returncode == 128 + signal.SIGINT, interrupted.stderr[-3000:]
     assert val_losses(stopped) == {4: val_losses(whole)[4]}
     assert "Ctrl-C: stopping after this validation" in interrupted.stderr
+    assert "a stop is already under way" not in interrupted.stderr
     assert step_of(stopped / "checkpoints" / "last.ckpt") == 4
 
     resumed = run_training(cache, f"ckpt_path={stopped}")

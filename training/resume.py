@@ -494,13 +494,13 @@ class StopSignals(L.Callback):
     sample (run_sample), and the run ends completed, as summary.json says.
 
     On one process, Lightning's SIGTERM handler sets a flag that its loops turn into a
-    SIGTERMException at the end of the batch; SIGINT is routed through the same path. In a run of
-    several processes that handler would broadcast from inside itself, wherever the signal finds
-    each rank, and each rank would stop by its own flag: the ranks' collectives fall out of step,
-    and the run fails or hangs. There, our handlers only record the signal, and after each batch
-    and each validation the ranks agree whether any of them was asked to stop (_agree_on_stop):
-    all stop together, at the end of the same batch; a SIGTERM during a validation, like a
-    Ctrl-C, lets it finish first.
+    SIGTERMException at the end of the batch; SIGINT sets that flag too. In a run of several
+    processes that handler would broadcast from inside itself, wherever the signal finds each
+    rank, and each rank would stop by its own flag: the ranks' collectives fall out of step, and
+    the run fails or hangs. There, our handlers only record the signal, and after each batch and
+    each validation the ranks agree whether any of them was asked to stop (_agree_on_stop): all
+    stop together, at the end of the same batch; a SIGTERM during a validation, like a Ctrl-C,
+    lets it finish first.
 
     After fit() raises a SIGTERMException, `signum` and `saved` say what stopped the run and where
     its checkpoint is (`signum` is set as soon as a signal comes, so a run whose fit() returned
@@ -510,7 +510,6 @@ class StopSignals(L.Callback):
     def __init__(self) -> None:
         self.signum: int | None = None
         self.saved: Path | None = None
-        self._sigterm_handler = None
         self._phase: Phase = "starting"
         self._trainer: L.Trainer | None = None
         self._stop_after_validation = False
@@ -580,7 +579,6 @@ class StopSignals(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._phase, self._trainer = "training", trainer
-        self._sigterm_handler = signal.getsignal(signal.SIGTERM)
 
     def _on_sigint(self, signum: int, frame) -> None:
         if _in_a_dataloader_worker():
@@ -654,8 +652,11 @@ class StopSignals(L.Callback):
 
     def _stop_at_step_boundary(self) -> None:
         # Distributed, `signum` is all it takes: the ranks agree on the stop after the batch.
-        if not self._distributed and callable(self._sigterm_handler):
-            self._sigterm_handler(signal.SIGTERM, None)  # Lightning's: it stops the loop
+        # On one process, the flag Lightning's SIGTERM handler sets, which stops its loop: set,
+        # not by calling that handler, which calls ours beside it, and ours would say "a stop
+        # is already under way" after the Ctrl-C line.
+        if not self._distributed and self._trainer is not None:
+            self._trainer._signal_connector.received_sigterm = True
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
