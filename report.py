@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 
 from data.files import disk_full_cause, write_files_atomic  # noqa: E402
-from errors import USER_ERRORS, check_writable  # noqa: E402
+from errors import USER_ERRORS, check_writable, exit_on_broken_pipe  # noqa: E402
 
 COLUMNS = [
     ("train loss", "train/loss", "{:.3f}"),
@@ -334,10 +334,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--wandb", action="store_true", help="also log to a W&B summary run")
     args = parser.parse_args(argv)
     try:
-        print(report(args.sweep_dir, args.wandb))
+        # Flushed here, where a reader gone (`| head`) is caught, rather than at exit
+        print(report(args.sweep_dir, args.wandb), flush=True)
     except (*USER_ERRORS, WandbUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the report's files are written before it is printed
+        exit_on_broken_pipe()
     return 0
 
 

@@ -7,6 +7,7 @@ import csv
 import glob
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -448,12 +449,19 @@ def naming_unreadable_files(
     faults = (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowInvalid)
     if streamed:
         faults = _read_faults()
+    # The JSON builder logs a file it cannot read (an ERROR line, counting rows from 0) before it
+    # raises: the one line below says it, with the file's line number
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)
     try:
         yield
     except faults as error:
         if disk_full_cause(error) is not None or not files or builder not in READ_FIXES:
             raise
         raise ValueError(f"{key}: {_unreadable(builder, files, cache_dir, error)}") from error
+    finally:
+        json_log.setLevel(level)
 
 
 def naming_unreadable_stream(

@@ -172,9 +172,11 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
         return found
     looked_for = " or ".join(c.name if c else "best*.ckpt" for c in candidates)
     missing = f"no {looked_for} in {folder}" if path.is_dir() else f"no checkpoint at {path}"
+    # an export holds no training state to continue from
+    export = "" if which == "last" else ", or an export's directory"
     raise FileNotFoundError(
         f"{key}={given}: {missing}; give the directory of a run that saved checkpoints (runs "
-        "live under outputs/) or a .ckpt file, or an export's directory"
+        f"live under outputs/) or a .ckpt file{export}"
     )
 
 

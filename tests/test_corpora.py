@@ -243,7 +243,7 @@ def test_text_files_errors_name_the_value_and_the_fix(corpus, tmp_path, paths, e
     assert not list(tmp_path.glob("lm/*/meta.json"))  # nothing half-built is left as an entry
 
 
-def test_empty_and_broken_files(corpus, tmp_path):
+def test_empty_and_broken_files(corpus, tmp_path, caplog):
     (corpus / "empty.txt").write_text("\n\n")
     with pytest.raises(ValueError, match=r"data.paths: every file is empty \(.*empty.txt\)"):
         prepared(source="text_files", paths=[str(corpus / "empty.txt")], cache_dir=tmp_path)
@@ -258,6 +258,7 @@ def test_empty_and_broken_files(corpus, tmp_path):
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         prepared(source="text_files", paths=[str(broken)], cache_dir=tmp_path)
+    assert "Failed to load JSON" not in caplog.text  # `datasets`' own log line: ours says it
 
 
 JSON_FIX = "check that it is JSON Lines, one object per line, or a JSON array of objects"

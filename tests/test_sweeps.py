@@ -3,6 +3,7 @@ report.py, run through the real command line."""
 
 import json
 import math
+import signal
 import subprocess
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 
 import report
-from helpers import ROOT, SMALLEST_BASE, composed, read_only, run_script, small_disk
+from helpers import ROOT, SMALLEST_BASE, composed, read_only, run_script, run_unread, small_disk
 from hydra_plugins.tinyformer_optuna import OptunaSweeper, dimension, resumed_sampler_seed
 from model.checkpoint import find_checkpoint
 from wandb_offline import history, run_info
@@ -267,6 +268,17 @@ def sweep_of(folder: Path, jobs: int) -> Path:
 
 def report_command(sweep: Path, cache: Path) -> subprocess.CompletedProcess:
     return run_script("report.py", str(sweep), cache_dir=cache, env={"WANDB_MODE": "offline"})
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["block-buffered", "unbuffered"])
+def test_a_report_whose_reader_stops_early_is_written_with_no_traceback(tmp_path, buffered):
+    # `report.py sweep | head`: the report's files are written, and the command ends as a
+    # pipeline's tools do when their reader goes
+    sweep = sweep_of(tmp_path / "sweep", 2)
+    result = run_unread("report.py", str(sweep), cache_dir=tmp_path / "cache", buffered=buffered)
+    assert result.returncode == 128 + signal.SIGPIPE, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "| 1 | 2 | completed |" in (sweep / "report.md").read_text()
 
 
 def test_report_lists_a_job_whose_summary_cannot_be_read_and_reports_the_others(tmp_path):
