@@ -100,8 +100,9 @@ def data_config(
     cfg: DictConfig, kind: ModelKind, hparams: dict, shown: str
 ) -> LMDataConfig | Seq2SeqDataConfig:
     """The checked data options: data=<choice>'s, with the data configs' interpolations of
-    model.* filled from the checkpoint's model, or the kind's default data. `shown` names the
-    checkpoint in messages."""
+    model.* filled from the checkpoint's model; without data=, its run's own (run_data), or the
+    kind's default data for a checkpoint that records none. `shown` names the checkpoint in
+    messages."""
     choice = HydraConfig.get().runtime.choices.get("data")
     node = cfg.get("data")
     given_target = node.get("_target_") if node is not None else None

@@ -307,8 +307,8 @@ def _text_files_validation(c: LMDataConfig, block_size: int) -> tuple[list[str],
 
 
 def least_val_tail(block_size: int) -> int:
-    """The fewest characters text files carved by val_fraction give validation: one block and
-    the token after it (a character is a token at most), so that any text of two blocks trains."""
+    """The fewest characters that text files carved by val_fraction give validation: a block's
+    worth and one more, so that any text of two blocks trains."""
     return block_size + 1
 
 
