@@ -231,7 +231,8 @@ def test_optuna_search_prunes_records_failures_and_resumes(tmp_path, cache):
         "optim.lr": 0.01,
     }
     assert "Best trial (Optuna): val loss " in report.report(sweep)
-    assert "with model.attention.n_kv_head=1, model.attention.dropout=0.0, optim.lr=0.01\n" in (
+    # in the order they are drawn: a divisor (n_kv_head) after what it divides
+    assert "with model.attention.dropout=0.0, optim.lr=0.01, model.attention.n_kv_head=1\n" in (
         report.report(sweep)
     )
 
