@@ -136,9 +136,8 @@ def data_config(
                 config_from(kind.data_options, defaults, "data.", which)
             except (ValueError, FileNotFoundError) as error:
                 raise type(error)(
-                    f"the data {shown} trained on: {error} (evaluate.py reads its run's paths "
-                    "from where it is launched; launch it where the run was, or score other "
-                    f"text with {kind.eval_data_choices})"
+                    f"the data {shown} trained on: {error} (score other text with "
+                    f"{kind.eval_data_choices})"
                 ) from None
         options = {**defaults, **options}  # +data.key=value on the command line
     config = config_from(kind.data_options, options, "data.", which)
@@ -163,7 +162,28 @@ def run_data(kind: ModelKind, hparams: dict) -> dict | None:
         return None
     ignored = {"_target_", *(key.removeprefix("data.") for key in TOKENIZER_OPTIONS)}
     known = {field.name for field in fields(kind.data_options)}
-    return {key: value for key, value in data.items() if key in known - ignored}
+    options = {key: value for key, value in data.items() if key in known - ignored}
+    launch_dir = hparams["run_config"].get("launch_dir")  # absent from older checkpoints
+    return options if launch_dir is None else from_launch_dir(options, Path(launch_dir))
+
+
+def from_launch_dir(options: dict, launch_dir: Path) -> dict:
+    """`options` with the relative file paths of the run's data made absolute under the
+    directory its train.py was launched in, which it read them from: evaluate.py may be
+    launched anywhere. A Hub dataset's name is a local directory's only where one is there."""
+
+    def absolute(path: str) -> str:
+        return str((launch_dir / Path(path).expanduser()).resolve())  # absolute ones stay
+
+    resolved = dict(options)
+    for key in ("paths", "val_paths"):
+        if key in resolved:
+            resolved[key] = [absolute(path) for path in resolved[key]]
+    for key in ("name", "hub_name"):  # of data=hub, and of the pairs' data=hub
+        name = resolved.get(key)
+        if name and (launch_dir / name).is_dir():
+            resolved[key] = absolute(name)
+    return resolved
 
 
 def progress(loader: DataLoader) -> tqdm:

@@ -255,13 +255,15 @@ def run_script(
     env: dict | None = None,
     stdin: str = "",
     timeout: float = 600,
+    cwd: Path = ROOT,
 ) -> subprocess.CompletedProcess:
-    """Run one of the project's commands (train.py, generate.py, export.py, report.py) from the
-    root, with `stdin` piped in (nothing by default: a command never waits for a terminal);
-    one that runs past `timeout` seconds fails the test (subprocess.TimeoutExpired)."""
+    """Run one of the project's commands (train.py, generate.py, export.py, report.py) from
+    `cwd` (the root by default), with `stdin` piped in (nothing by default: a command never
+    waits for a terminal); one that runs past `timeout` seconds fails the test
+    (subprocess.TimeoutExpired)."""
     return subprocess.run(
         [sys.executable, str(ROOT / script), *arguments],
-        cwd=ROOT,
+        cwd=cwd,
         env=clean_env(cache_dir, **(env or {})),
         preexec_fn=default_signals,
         input=stdin,

@@ -4,6 +4,7 @@ dataset's test split, and turns mistakes into one line."""
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -19,12 +20,13 @@ from data.pairs import split_rows
 from data.seq2seq import SPECIALS
 from data.seq2seq_text import Seq2SeqDataConfig, collate_pairs
 from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
-from evaluate import score_encdec, score_gpt
+from evaluate import from_launch_dir, score_encdec, score_gpt
 from export import ExportOptions, export
 from helpers import (
     BOS,
     EOS,
     PAD,
+    ROOT,
     SMALLEST_BASE,
     read_only,
     run_script,
@@ -112,9 +114,9 @@ def encdec_run(tmp_path_factory, cache, pairs_file) -> Path:
     return train_run(run_dir, *overrides, cache_dir=cache)
 
 
-def evaluate(cache: Path, *overrides: str) -> dict:
-    """Run evaluate.py, check that it succeeded, and return the JSON it wrote."""
-    result = run_script("evaluate.py", *overrides, cache_dir=cache)
+def evaluate(cache: Path, *overrides: str, cwd: Path = ROOT) -> dict:
+    """Run evaluate.py from `cwd`, check that it succeeded, and return the JSON it wrote."""
+    result = run_script("evaluate.py", *overrides, cache_dir=cache, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     written = result.stdout.strip().splitlines()[-1].removeprefix("written to ")
     return {**json.loads(Path(written).read_text()), "stdout": result.stdout, "out": written}
@@ -244,10 +246,12 @@ def test_a_text_files_run_is_scored_by_default_on_its_own_validation_split(cache
     rng = np.random.default_rng(0)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(" ".join(rng.choice(WORDS, 30)) for _ in range(120)))
-    data = ["data=text_files", f"data.paths=[{corpus}]"]
+    # A path relative to where train.py runs (the root), read from there whatever directory
+    # evaluate.py is launched in
+    data = ["data=text_files", f"data.paths=[{os.path.relpath(corpus, ROOT)}]"]
     run_dir = train_run(tmp_path / "run", *SMALLEST_BASE, *data, *FULL_VALIDATION, cache_dir=cache)
     logged = last_validation(run_dir)
-    scored = evaluate(cache, f"ckpt={run_dir}")
+    scored = evaluate(cache, f"ckpt={run_dir}", cwd=tmp_path)
     assert scored["loss"] == pytest.approx(logged["val/loss"], rel=1e-4)
     assert scored["data"] == "the validation split of data.paths (1 file(s), data.val_fraction=0.1)"
     assert scored["out"] == str(run_dir / "eval_val.json")
@@ -260,7 +264,29 @@ def test_a_text_files_run_is_scored_by_default_on_its_own_validation_split(cache
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert re.search(rf"trained on: data.paths: no file at {re.escape(str(corpus))}", last), last
-    assert "data=text_files or data=hub" in last
+    assert last.endswith("(score other text with data=text_files or data=hub)"), last
+
+
+def test_the_runs_relative_paths_are_read_from_the_directory_it_was_launched_in(tmp_path):
+    (tmp_path / "hub_copy").mkdir()
+    launched = {
+        "paths": ["corpus.txt", "../shared/*.txt", str(tmp_path / "elsewhere.txt")],
+        "val_paths": ["texts"],
+        "name": "hub_copy",  # a Hub-layout directory there
+        "hub_name": "someone/pairs",  # a Hub name: no such directory
+        "block_size": 64,
+    }
+    assert from_launch_dir(launched, tmp_path) == {
+        "paths": [
+            str(tmp_path / "corpus.txt"),
+            str(tmp_path.parent / "shared" / "*.txt"),
+            str(tmp_path / "elsewhere.txt"),
+        ],
+        "val_paths": [str(tmp_path / "texts")],
+        "name": str(tmp_path / "hub_copy"),
+        "hub_name": "someone/pairs",
+        "block_size": 64,
+    }
 
 
 @pytest.mark.slow

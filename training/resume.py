@@ -200,8 +200,9 @@ class Resume:
             )
 
     def record(self) -> dict:
-        """What the run config records: its overrides, and where it resumed from."""
-        record: dict = {"overrides": self.overrides}
+        """What the run config records: its overrides, the directory it was launched in (which
+        its relative paths are relative to), and where it resumed from."""
+        record: dict = {"overrides": self.overrides, "launch_dir": os.getcwd()}
         if self.checkpoint is not None:
             record["resumed_from"] = {
                 "checkpoint": str(self.path),
