@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -331,6 +332,12 @@ class CachedDataModule(L.LightningDataModule):
             num_workers=workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=workers > 0,
+            worker_init_fn=leave_stop_signals_to_the_run,
+            # Each loader draws its workers' seed as it starts iterating, from its generator
+            # (by default torch's global one, which dropout draws from too). Persistent
+            # workers start once a run, a resumed run's again: drawn from torch's generator,
+            # that would shift the dropout of a resumed run off that of one never stopped.
+            generator=torch.Generator().manual_seed(torch.initial_seed()),
         )
         if not train:
             sampler = RankShard(len(dataset), rank, world)
@@ -342,3 +349,12 @@ class CachedDataModule(L.LightningDataModule):
         )
         # drop_last: a short last batch would be an oddly weighted training step
         return ResumableLoader(dataset, batch_size, sampler=sampler, drop_last=True, **options)
+
+
+def leave_stop_signals_to_the_run(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGTERM and SIGINT: they reach it beside the run (SLURM's
+    scancel signals every process of the job, a terminal's Ctrl-C its whole foreground group),
+    and a worker they killed would fail the run before it stopped and saved. The run stops at
+    its next step and ends its workers; torch's watchdog ends a worker whose run is gone."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -19,27 +19,34 @@ import model.sampling
 from data.lm_text import TokenWriter
 
 
-def signal_once_saved(trainer: L.Trainer, signum: int) -> None:
+def signal_once_saved(trainer: L.Trainer, signum: int, group: bool = False) -> None:
     """Send this process `signum` once the checkpoints written so far are on disk (they are
-    written beside training)."""
+    written beside training), or with `group` its whole process group, as a scheduler signals
+    every process of a job (tests run each command in a group of its own)."""
     trainer.strategy.checkpoint_io.wait()
-    os.kill(os.getpid(), signum)
+    if group:
+        os.killpg(0, signum)
+    else:
+        os.kill(os.getpid(), signum)
 
 
 class SignalAt(L.Callback):
     """Send this process the signal `signum` before step `step + 1`, once `step` steps are
     done and any checkpoint of step `step` is on disk (they are written beside training). In a
     distributed run every process signals itself, or, given `rank`, the process of that rank
-    only (0: the one the command started)."""
+    only (0: the one the command started). With `group`, the signal goes to the process group
+    (the run's DataLoader workers too)."""
 
-    def __init__(self, step: int, signum: int, rank: int | None = None) -> None:
-        self.step, self.signum, self.rank = step, signum, rank
+    def __init__(
+        self, step: int, signum: int, rank: int | None = None, group: bool = False
+    ) -> None:
+        self.step, self.signum, self.rank, self.group = step, signum, rank, group
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if self.rank not in (None, trainer.global_rank):
             return
         if trainer.ckpt_path is None and trainer.global_step == self.step:
-            signal_once_saved(trainer, self.signum)
+            signal_once_saved(trainer, self.signum, self.group)
 
 
 class SignalAtBatch(L.Callback):

@@ -241,11 +241,13 @@ def clean_env(cache_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def default_signals() -> None:
-    """For a child process (preexec_fn): Ctrl-C and SIGTERM do what they do in a shell. A test
-    process may have come to ignore SIGINT (a library, a test worker), and a child inherits an
-    ignored signal, so without this a command could not be interrupted in some orders."""
+    """For a child process (preexec_fn): Ctrl-C and SIGTERM do what they do in a shell, and the
+    command runs in a process group of its own, as a shell's job does. A test process may have
+    come to ignore SIGINT (a library, a test worker), and a child inherits an ignored signal,
+    so without this a command could not be interrupted in some orders."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.setpgrp()
 
 
 def run_script(

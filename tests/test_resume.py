@@ -570,6 +570,28 @@ def test_sigterm_repeated_while_stopping_lets_the_stop_finish(tmp_path, cache):
 
 
 @pytest.mark.slow
+def test_a_sigterm_to_every_process_of_a_run_with_loader_workers_stops_it_whole(
+    tmp_path, cache, straight
+):
+    """SIGTERM to the run's whole process group (SLURM's scancel signals every process of the
+    job), its DataLoader workers too: the run stops at the step and saves, as on its own, and
+    resumes to the weights of a run never stopped (whose batches came without workers: the
+    workers change where batches are made, not which, nor the dropout)."""
+    run_dir, workers = tmp_path / "run", "data.num_workers=2"
+    stop = fault("SignalAt", step=12, signum=signal.SIGTERM, group=True)
+    stopped = run_training(cache, *TINY, workers, f"hydra.run.dir={run_dir}", *stop)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert f"stopped by SIGTERM after step 13; saved {run_dir}/checkpoints/last.ckpt" in (
+        stopped.stderr
+    )
+    resumed = run_training(cache, f"ckpt_path={run_dir}", workers)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(run_dir, straight)
+    assert losses(run_dir) == losses(straight)
+
+
+@pytest.mark.slow
 def test_a_muon_run_resumes_to_the_same_weights(tmp_path, cache):
     muon = [*TINY, "optim.name=muon", "trainer.max_steps=20"]
     straight, run_dir = tmp_path / "straight", tmp_path / "run"

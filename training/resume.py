@@ -459,13 +459,6 @@ class SampleCutShort(BaseException):
     takes those for a failed sample."""
 
 
-def _in_a_dataloader_worker() -> bool:
-    """Whether this process is a DataLoader's worker, forked from the run's with our SIGINT
-    handler (its SIGTERM is torch's), which a terminal's Ctrl-C reaches too: it goes on loading
-    the batches that the run, stopping at the step, still asks for, and the run ends it."""
-    return torch.utils.data.get_worker_info() is not None
-
-
 def _end_workers() -> None:
     """Kill the processes this one started to help it (datasets.map's pool and the manager of
     its queues, a DataLoader's workers): a process that exits at once does not end them, and a
@@ -582,8 +575,6 @@ class StopSignals(L.Callback):
         self._phase, self._trainer = "training", trainer
 
     def _on_sigint(self, signum: int, frame) -> None:
-        if _in_a_dataloader_worker():
-            return
         if self._phase == "starting":
             self._end_before_training(signum)
         if self._phase == "finished":
