@@ -168,6 +168,15 @@ def test_a_signal_while_preparing_the_data_stops_the_run_and_leaves_no_entry(tmp
     assert entry_problem(cache / "lm" / entry) is None
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
+    # Resumed, on a machine whose cache lacks the entry: stopped as it builds it, the start
+    # leaves no record in the run's directory (.hydra/resume-N), as it trained nothing.
+    records = sorted(p.name for p in (run_dir / ".hydra").iterdir())
+    resumed = run_training(
+        tmp_path / "other_cache", f"ckpt_path={run_dir}", "trainer.max_steps=4", *stop
+    )
+    assert resumed.returncode == 128 + signum, resumed.stderr[-3000:]
+    assert records == sorted(p.name for p in (run_dir / ".hydra").iterdir())
+
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_in_the_end_of_run_sample_cuts_it_short_and_the_run_completes(tmp_path, signum):

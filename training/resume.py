@@ -604,10 +604,13 @@ class StopSignals(L.Callback):
         interrupts: datasets.map, ending its pool of workers that the signal reached too, waits
         forever on a lock that a dead worker held. Nothing is left half-done that a later run
         would use: the data cache builds an entry aside and moves it into place whole, and the
-        next build of that entry removes what this one had written (data/cache.py)."""
+        next build of that entry removes what this one had written (data/cache.py). A resumed
+        run's record of this start (.hydra/resume-N) goes, as for a start that was refused."""
         if os.getpid() == self._pid:  # a worker of datasets.map's pool ends quietly
             if signum == signal.SIGINT:
                 print("\nCtrl-C before training began: stopping, nothing saved", file=sys.stderr)
+            if HydraConfig.initialized():
+                discard_command_record()
             # torch's SIGCHLD handler would raise, told of the DataLoader workers killed here
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             _end_workers()
