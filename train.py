@@ -152,6 +152,7 @@ def build_trainer(plan: Plan, stop: StopSignals) -> L.Trainer:
     )
     check_not_ddp_in_sweep(trainer.world_size)
     finish_maps_later(callbacks)  # after the end-of-run printout: see fit()
+    stop.end_launched_processes_too(trainer)
     return trainer
 
 

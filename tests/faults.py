@@ -80,13 +80,14 @@ class SignalDuringValidation(L.Callback):
 
 class SignalInSanityCheck(L.Callback):
     """Send this process the signal `signum` in Lightning's sanity check, before any step, once
-    its first validation batch is done."""
+    its first validation batch is done; in a distributed run every process signals itself, or,
+    given `rank`, the process of that rank only."""
 
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
+    def __init__(self, signum: int, rank: int | None = None) -> None:
+        self.signum, self.rank = signum, rank
 
     def on_validation_batch_end(self, trainer: L.Trainer, *args) -> None:
-        if trainer.sanity_checking:
+        if trainer.sanity_checking and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), self.signum)
 
 

@@ -137,6 +137,18 @@ def test_a_signal_in_the_sanity_check_stops_the_run_with_its_status(tmp_path, si
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 
 
+def test_a_signal_to_rank_zero_before_training_ends_every_rank(tmp_path):
+    """The process the command started (rank zero) signalled in the sanity check of a run of two
+    processes ends at once, and the rank it started with it, quietly: left alone, that one
+    failed with a traceback in its next collective, its peer gone."""
+    command = [*SMALLEST, "trainer=ddp_cpu", "trainer.max_steps=4"]
+    command += ["trainer.num_sanity_val_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    stop = fault("SignalInSanityCheck", signum=signal.SIGTERM, rank=0)
+    stopped = run_training(tmp_path / "cache", *command, *stop, timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+
+
 def cache_entries(cache: Path) -> list[str]:
     """The names under the cache's LM entries but their locks: entries, and the temporary
     directories of builds (.tmp-*)."""

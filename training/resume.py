@@ -511,6 +511,7 @@ class StopSignals(L.Callback):
         self._pid = os.getpid()  # a process forked from this one inherits our handlers
         self._sampling = False
         self._sample_cut_short = False
+        self._launcher = None
 
     @contextmanager
     def handling_signals(self, put_back: bool) -> Iterator[None]:
@@ -539,6 +540,12 @@ class StopSignals(L.Callback):
             if put_back and not ending:
                 for signum, handler in previous.items():
                     signal.signal(signum, handler)
+
+    def end_launched_processes_too(self, trainer: L.Trainer) -> None:
+        """A signal before training ends the processes that `trainer`'s launcher starts (a
+        distributed run's other ranks) with this one, as it ends this one: left alone, each
+        would fail with a traceback in its next collective, its peer gone."""
+        self._launcher = trainer.strategy.launcher
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """In a run of several processes, Lightning's own SIGTERM handler is made to do nothing
@@ -614,6 +621,8 @@ class StopSignals(L.Callback):
             # torch's SIGCHLD handler would raise, told of the DataLoader workers killed here
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             _end_workers()
+            if self._launcher is not None:  # the signal ends them as it ends this one
+                self._launcher.kill(signum)
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(128 + signum)
