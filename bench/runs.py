@@ -1,9 +1,10 @@
-"""Run train.py as a user would and read back what it logged (logger=csv), and time two or
-more sides alternately: shared by the benchmark scripts, which compare side by side in one
-invocation."""
+"""Run train.py as a user would and read back what it logged (logger=csv), time two or more
+sides alternately, and measure a device's matmul peak: shared by the benchmark scripts, which
+compare side by side in one invocation."""
 
 import csv
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -105,3 +106,22 @@ def compare_checkouts(
                 f"(min {min(series):.2f}, max {max(series):.2f}, {repeats} runs)"
             )
         print(f"{label}this / other: {medians['this'] / medians['other']:.2f}")
+
+
+def matmul_peak(device: str = "cpu", dtype: str = "float32") -> float:
+    """FLOP/s of a large square matmul in `dtype`, best of a few: the device's practical peak
+    (8192² on a GPU, whose smaller matmuls do not fill it; 2048² on a CPU)."""
+    import torch  # here: the scripts that only run train.py never import it
+
+    n = 8192 if device == "cuda" else 2048
+    a, b = (torch.randn(n, n, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
+    best = math.inf
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best

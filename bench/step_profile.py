@@ -7,12 +7,11 @@ nanoGPT's CPU recipe's shape (4 layers, 4 heads, 128 wide, block 64, batch 12, n
         [--batch 12] [--steps 30] [--repeats 3] [--compile]
 
 Each of `--repeats` rounds profiles `--steps` steps (torch.profiler, after 10 untimed ones) and
-measures the peak (the best of a few 2048² matmuls, as bench/train_throughput.py does) beside
-them; the table gives each kind's milliseconds a step, median (min-max) over the rounds.
+measures the peak beside them (runs.matmul_peak: the best of a few 2048² matmuls); the table
+gives each kind's milliseconds a step, median (min-max) over the rounds.
 """
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runs import spread  # noqa: E402
+from runs import matmul_peak, spread  # noqa: E402
 
 from model.attention import AttentionConfig  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
@@ -41,22 +40,13 @@ KINDS = {
 VOCAB = 65  # tiny-shakespeare's characters
 
 
+REST = "the rest (small ops, views, copies, the dispatcher)"
+
+
 def kind_of(name: str) -> str:
     return next(
-        (kind for kind, parts in KINDS.items() if any(part in name for part in parts)),
-        "the rest (small ops, views, copies, the dispatcher)",
+        (kind for kind, parts in KINDS.items() if any(part in name for part in parts)), REST
     )
-
-
-def matmul_peak() -> float:
-    """FLOP/s of the best of five 2048² fp32 matmuls."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    best = math.inf
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 / best
 
 
 def main() -> None:
@@ -108,10 +98,11 @@ def main() -> None:
         seconds: dict[str, float] = defaultdict(float)
         matmul_flops = 0
         for event in prof.key_averages():
-            seconds[kind_of(event.key)] += event.self_cpu_time_total / 1e6
-            if kind_of(event.key) == "matmul":
+            kind = kind_of(event.key)
+            seconds[kind] += event.self_cpu_time_total / 1e6
+            if kind == "matmul":
                 matmul_flops += event.flops
-        for kind in [*KINDS, kind_of("")]:
+        for kind in [*KINDS, REST]:
             per_kind[kind].append(seconds[kind] / args.steps * 1e3)
         matmul_rate.append(matmul_flops / seconds["matmul"])
 

@@ -14,7 +14,6 @@ machine's drift falls on both alike, and the median of the N paired ratios is re
 (nanoGPT's CPU recipe: 4 layers, 4 heads, 128 wide, block 64, batch 12.)
 """
 
-import math
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from hydra.utils import instantiate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runs import median_after, train  # noqa: E402
+from runs import matmul_peak, median_after, train  # noqa: E402
 
 import train as train_script  # noqa: E402, F401 (registers the resolvers the configs use)
 from data.lm import LMDataModule  # noqa: E402
@@ -45,23 +44,6 @@ def flops_per_token(model: GPT) -> float:
     # Position embeddings are a lookup; the token embedding counts, as the tied output head.
     weights = model.num_parameters(exclude_embeddings=True)
     return 6 * weights + 12 * c.n_layer * c.block_size * c.n_embd
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a large square matmul in `dtype`, best of a few: the device's practical peak
-    (8192² on a GPU, whose smaller matmuls do not fill it; 2048² on a CPU)."""
-    n = 8192 if device.type == "cuda" else 2048
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    best = math.inf
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 def hand_loop(overrides: list[str], steps: int) -> tuple[float, GPT, torch.dtype | None]:
@@ -145,7 +127,7 @@ def main(arguments: list[str]) -> None:
     lightning = statistics.median(a for a, _ in pairs)
     hand = statistics.median(b for _, b in pairs)
     per_token = flops_per_token(model)
-    peak = matmul_peak(device, dtype or torch.float32)
+    peak = matmul_peak(device.type, "bfloat16" if dtype else "float32")
     print("\n| path | tokens/s (median) | model TFLOP/s | MFU (vs measured matmul peak) |")
     print("|---|---|---|---|")
     for name, rate in (("(a) train.py (Lightning)", lightning), ("(b) hand loop", hand)):
