@@ -35,6 +35,7 @@ from data.lm_text import (
     token_stream,
     whole_batch,
 )
+from data.local_files import from_launch_dir
 from data.metrics import character_error_rate
 from data.seq2seq_text import (
     IGNORE_INDEX,
@@ -165,25 +166,6 @@ def run_data(kind: ModelKind, hparams: dict) -> dict | None:
     options = {key: value for key, value in data.items() if key in known - ignored}
     launch_dir = hparams["run_config"].get("launch_dir")  # absent from older checkpoints
     return options if launch_dir is None else from_launch_dir(options, Path(launch_dir))
-
-
-def from_launch_dir(options: dict, launch_dir: Path) -> dict:
-    """`options` with the relative file paths of the run's data made absolute under the
-    directory its train.py was launched in, which it read them from: evaluate.py may be
-    launched anywhere. A Hub dataset's name is a local directory's only where one is there."""
-
-    def absolute(path: str) -> str:
-        return str((launch_dir / Path(path).expanduser()).resolve())  # absolute ones stay
-
-    resolved = dict(options)
-    for key in ("paths", "val_paths"):
-        if key in resolved:
-            resolved[key] = [absolute(path) for path in resolved[key]]
-    for key in ("name", "hub_name"):  # of data=hub, and of the pairs' data=hub
-        name = resolved.get(key)
-        if name and (launch_dir / name).is_dir():
-            resolved[key] = absolute(name)
-    return resolved
 
 
 def progress(loader: DataLoader) -> tqdm:

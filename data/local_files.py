@@ -9,10 +9,10 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from data.files import disk_full_cause
 
@@ -21,6 +21,10 @@ if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry 
 
 # Text files are read one paragraph (blank-line separated) per document; .jsonl one row each.
 TEXT_BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json"}
+# The data options that name files (data=text_files, data=pairs), and those that name a Hub
+# dataset or a directory laid out as one (data=hub, data=pairs)
+FILE_KEYS = ("paths", "val_paths")
+HUB_NAME_KEYS = ("name", "hub_name")
 
 
 def expand_paths(
@@ -67,6 +71,25 @@ def expand_paths(
     # is read once: read twice, its documents would train twice, and a document that one copy
     # gives to validation another would train on.
     return list(dict.fromkeys(f.resolve() for f in files))
+
+
+def from_launch_dir(options: Mapping[str, Any], launch_dir: Path) -> dict:
+    """Data options (a data config's) with the relative file paths made absolute under the
+    directory a run was launched in, where it read them: its checkpoint may be resumed or scored
+    from anywhere. A Hub dataset's name is a local directory's only where one is there."""
+
+    def absolute(path: str) -> str:
+        return str((launch_dir / Path(path).expanduser()).resolve())  # absolute ones stay
+
+    resolved = dict(options)
+    for key in FILE_KEYS:
+        if key in resolved:
+            resolved[key] = [absolute(path) for path in path_list(resolved[key])]
+    for key in HUB_NAME_KEYS:
+        name = resolved.get(key)
+        if name and (launch_dir / name).is_dir():
+            resolved[key] = absolute(name)
+    return resolved
 
 
 def path_list(value: object) -> list:

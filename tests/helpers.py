@@ -371,12 +371,15 @@ def fault(name: str, **options) -> list[str]:
 
 
 def run_training(
-    cache_dir: Path, *overrides: str, timeout: float = 600
+    cache_dir: Path, *overrides: str, timeout: float = 600, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
-    """train.py with tests/ on its path, so that overrides can add faults.py's callbacks."""
+    """train.py, launched in `cwd`, with tests/ on its path, so that overrides can add
+    faults.py's callbacks."""
+    tests = str(ROOT / "tests")
     return run_script(
-        "train.py", *overrides, cache_dir=cache_dir, env={"PYTHONPATH": "tests"}, timeout=timeout
-    )
+        "train.py", *overrides, cache_dir=cache_dir, env={"PYTHONPATH": tests}, timeout=timeout,
+        cwd=cwd,
+    )  # fmt: skip
 
 
 def write_hub_dataset(folder: Path, splits: dict[str, list[str]], column: str = "text") -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from data.sampler import SEED_STREAM
 from helpers import (
@@ -24,7 +25,7 @@ from helpers import (
     val_losses,
 )
 from training.module import OptimConfig
-from training.resume import resume_conflicts, resumed_overrides
+from training.resume import read_where_launched, resume_conflicts, resumed_overrides
 from wandb_offline import config, history, run_files, run_info
 
 # One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.
@@ -620,6 +621,33 @@ def test_resume_refuses_another_optimizer(tmp_path, cache, straight):
     assert "optim.name: 'adamw' in the checkpoint, 'muon' now" in result.stderr
 
 
+def test_a_resume_launched_elsewhere_reads_the_runs_data_paths_where_it_was_launched(
+    tmp_path, monkeypatch
+):
+    launched, elsewhere = tmp_path / "launched", tmp_path / "elsewhere"
+    (launched / "hub_copy").mkdir(parents=True)
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    data = {
+        "paths": ["corpus.txt", "/abs/other.txt"],
+        "val_paths": ["valid.txt"],  # given by the resuming command: read from here
+        "name": "hub_copy",
+        "block_size": 64,
+    }
+    config = OmegaConf.create(data)
+    read_where_launched(config, launched, ["data.val_paths=[valid.txt]", "trainer.max_steps=9"])
+    assert OmegaConf.to_container(config) == {
+        "paths": [str(launched / "corpus.txt"), "/abs/other.txt"],
+        "val_paths": ["valid.txt"],
+        "name": str(launched / "hub_copy"),
+        "block_size": 64,
+    }
+    # Launched here: the paths stay as given
+    config = OmegaConf.create(data)
+    read_where_launched(config, elsewhere, [])
+    assert OmegaConf.to_container(config) == data
+
+
 def test_checkpoints_from_before_optim_name_ran_adamw():
     saved = {"optim": {"lr": 1e-3}}  # what a run config held before optim.name existed
     assert resume_conflicts(saved, {"optim": {"lr": 1e-3, "name": "adamw"}}) == []
@@ -663,3 +691,50 @@ def test_a_run_recorded_with_beam_options_resumes(tmp_path):
     new_run = f"hydra.run.dir={tmp_path / 'new'}"
     refused = run_training(cache, *first, "+sample.beam_size=4", new_run)
     assert refused.returncode == 1 and "error: sample.beam_size is not an option" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_another_directory_trains_on_the_files_it_was_launched_with(
+    tmp_path, cache
+):
+    """data.paths=[corpus.txt] relative to where the run was launched; the resume launched in a
+    directory with a corpus.txt of its own, of the same characters (so the same tokenizer),
+    continues on the run's file, as the run would have without the stop."""
+    launched, elsewhere = tmp_path / "launched", tmp_path / "elsewhere"
+    launched.mkdir()
+    elsewhere.mkdir()
+    lines = [
+        f"ROMEO:\nHow {n} nights of the moon, and {n % 7} days of the sun?" for n in range(300)
+    ]
+    text = "\n\n".join(lines) + "\n"
+    (launched / "corpus.txt").write_text(text)
+    (elsewhere / "corpus.txt").write_text(text[::-1])
+    files = ["data=text_files", "data.paths=[corpus.txt]", "trainer.max_steps=20"]
+    straight = tmp_path / "straight"
+    result = run_training(cache, *TINY, *files, f"hydra.run.dir={straight}", cwd=launched)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    signal_at = fault("SignalAt", step=12, signum=signal.SIGTERM)
+    stopped = run_training(
+        cache, *TINY, *files, f"hydra.run.dir={run_dir}", *signal_at, cwd=launched
+    )
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+
+    # This command's own data.paths=[corpus.txt] is the file here: another corpus, refused
+    here = ["data=text_files", "data.paths=[corpus.txt]"]
+    refused = run_training(cache, f"ckpt_path={run_dir}", *here, cwd=elsewhere)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    conflict = (
+        f"data.paths: ['{launched}/corpus.txt'] in the checkpoint, ['{elsewhere}/corpus.txt'] now"
+    )
+    assert conflict in refused.stderr.strip().splitlines()[-1]
+
+    resumed = run_training(cache, f"ckpt_path={run_dir}", cwd=elsewhere)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(run_dir, straight)
+    # The run's record keeps where its paths are relative to, for a later resume or evaluate.py
+    hparams = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)[
+        "hyper_parameters"
+    ]
+    assert hparams["run_config"]["launch_dir"] == str(launched)
+    assert "data.paths=[corpus.txt]" in hparams["run_config"]["overrides"]

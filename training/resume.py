@@ -37,6 +37,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from data.local_files import FILE_KEYS, HUB_NAME_KEYS, from_launch_dir
 from data.tokenizer import BPETokenizer, CharTokenizer
 from errors import override_key
 from kinds import KINDS, kind_of
@@ -54,6 +55,9 @@ FIXED_ON_RESUME = (
     "optim.beta2",
     "optim.weight_decay",
 )
+# The data options that name files or a local dataset directory, maybe relative to the directory
+# the run was launched in
+DATA_PATH_KEYS = tuple(f"data.{key}" for key in (*FILE_KEYS, *HUB_NAME_KEYS))
 FREE_ON_RESUME = ("model.vocab_size", "data.num_workers", "data.num_proc", "data.cache_dir")
 # Fixed keys added after some checkpoints were written, with the value those checkpoints ran
 # with, so that they still resume.
@@ -158,6 +162,8 @@ class Resume:
     overrides: list[str]
     path: Path | None = None
     checkpoint: dict | None = field(default=None, repr=False)
+    # where the run was first launched: its relative data paths are relative to it
+    launch_dir: Path = field(default_factory=Path.cwd)
 
     @property
     def complete(self) -> bool:
@@ -202,7 +208,7 @@ class Resume:
     def record(self) -> dict:
         """What the run config records: its overrides, the directory it was launched in (which
         its relative paths are relative to), and where it resumed from."""
-        record: dict = {"overrides": self.overrides, "launch_dir": os.getcwd()}
+        record: dict = {"overrides": self.overrides, "launch_dir": str(self.launch_dir)}
         if self.checkpoint is not None:
             record["resumed_from"] = {
                 "checkpoint": str(self.path),
@@ -265,7 +271,14 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
             ) from None
     else:
         cfg.ckpt_path = str(path)
-    conflicts = resume_conflicts(saved, OmegaConf.to_container(cfg, resolve=True))
+    launch_dir = Path(saved.get("launch_dir") or os.getcwd())  # older checkpoints: here
+    read_where_launched(cfg.data, launch_dir, given)
+    current = OmegaConf.to_container(cfg, resolve=True)
+    # Each side's data files as they are read: the run's from where it was launched, this
+    # command's from here
+    current["data"] = from_launch_dir(current["data"], Path.cwd())
+    saved_files = saved | {"data": from_launch_dir(saved.get("data", {}), launch_dir)}
+    conflicts = resume_conflicts(saved_files, current)
     if conflicts:
         raise ValueError(
             f"ckpt_path={path} cannot resume with changed settings ({'; '.join(conflicts[:4])}"
@@ -279,13 +292,34 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
             f"ckpt_path={path} is at step {step}, past trainer.max_steps={max_steps}: give a "
             f"larger trainer.max_steps to train on"
         )
-    resume = Resume(cfg, overrides, path, checkpoint)
+    # A later resume reads the run's data paths from its launch directory too; those this
+    # command gave name the same files (checked above), relative to another directory.
+    recorded = resumed_overrides(
+        saved.get("overrides", []), [o for o in given if override_key(o) not in DATA_PATH_KEYS]
+    )
+    resume = Resume(cfg, recorded, path, checkpoint, launch_dir)
     if not resume.complete:  # train.py says there is nothing to train once every check passed
         print_once(
             f"resuming from {path} at step {step}"
             + (f" with that run's overrides: {' '.join(overrides)}" if overrides else "")
         )
     return resume
+
+
+def read_where_launched(data: DictConfig, launch_dir: Path, given: list[str]) -> None:
+    """Set the run's data paths (those this command does not give) to the files they named
+    where the run was launched: launched elsewhere, a resume would read same-named files there
+    (with the same characters, a corpus the tokenizer check cannot tell apart)."""
+    if launch_dir.resolve() == Path.cwd().resolve():
+        return
+    given_keys = {override_key(o) for o in given}
+    runs = {
+        key: data[key]
+        for key in (*FILE_KEYS, *HUB_NAME_KEYS)
+        if key in data and f"data.{key}" not in given_keys
+    }
+    for key, value in from_launch_dir(runs, launch_dir).items():
+        data[key] = value
 
 
 def clear_earlier_job(job_dir: Path) -> None:
