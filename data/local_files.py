@@ -73,13 +73,20 @@ def expand_paths(
     return list(dict.fromkeys(f.resolve() for f in files))
 
 
-def from_launch_dir(options: Mapping[str, Any], launch_dir: Path) -> dict:
+def from_launch_dir(
+    options: Mapping[str, Any], launch_dir: Path, moved_to: Path | None = None
+) -> dict:
     """Data options (a data config's) with the relative file paths made absolute under the
     directory a run was launched in, where it read them: its checkpoint may be resumed or scored
-    from anywhere. A Hub dataset's name is a local directory's only where one is there."""
+    from anywhere. With `moved_to`, a path that names nothing there any more is taken under
+    `moved_to` instead (where the project has moved, say). A Hub dataset's name is a local
+    directory's only where one is there."""
 
     def absolute(path: str) -> str:
-        return str((launch_dir / Path(path).expanduser()).resolve())  # absolute ones stay
+        there = (launch_dir / Path(path).expanduser()).resolve()  # absolute ones stay
+        if moved_to is not None and not names_files(there):
+            return str((moved_to / Path(path).expanduser()).resolve())
+        return str(there)
 
     resolved = dict(options)
     for key in FILE_KEYS:
@@ -87,9 +94,18 @@ def from_launch_dir(options: Mapping[str, Any], launch_dir: Path) -> dict:
             resolved[key] = [absolute(path) for path in path_list(resolved[key])]
     for key in HUB_NAME_KEYS:
         name = resolved.get(key)
-        if name and (launch_dir / name).is_dir():
-            resolved[key] = absolute(name)
+        local = [
+            d for d in (launch_dir, moved_to) if d is not None and name and (d / name).is_dir()
+        ]
+        if local:
+            resolved[key] = str((local[0] / name).resolve())
     return resolved
+
+
+def names_files(path: Path) -> bool:
+    """Whether `path`, a file, a folder or a glob, names anything on this machine."""
+    glob_characters = any(ch in str(path) for ch in "*?[")
+    return path.exists() or (glob_characters and bool(glob.glob(str(path), recursive=True)))
 
 
 def path_list(value: object) -> list:

@@ -622,11 +622,14 @@ def test_resume_refuses_another_optimizer(tmp_path, cache, straight):
 
 
 def test_a_resume_launched_elsewhere_reads_the_runs_data_paths_where_it_was_launched(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     launched, elsewhere = tmp_path / "launched", tmp_path / "elsewhere"
     (launched / "hub_copy").mkdir(parents=True)
     elsewhere.mkdir()
+    for folder in (launched, elsewhere):
+        (folder / "corpus.txt").write_text("text")
+    (elsewhere / "moved").mkdir()
     monkeypatch.chdir(elsewhere)
     data = {
         "paths": ["corpus.txt", "/abs/other.txt"],
@@ -642,6 +645,19 @@ def test_a_resume_launched_elsewhere_reads_the_runs_data_paths_where_it_was_laun
         "name": str(launched / "hub_copy"),
         "block_size": 64,
     }
+    # What names nothing where the run was launched any more (moved with the project) is read
+    # from here, and the command says so
+    config = OmegaConf.create(data | {"val_paths": ["moved/*.txt", "moved"]})
+    read_where_launched(config, launched, [])
+    assert OmegaConf.to_container(config)["val_paths"] == [
+        str(elsewhere / "moved" / "*.txt"),
+        str(elsewhere / "moved"),
+    ]
+    assert OmegaConf.to_container(config)["paths"][0] == str(launched / "corpus.txt")
+    assert capsys.readouterr().out == (
+        f"data.val_paths=['moved/*.txt', 'moved'] names nothing in {launched}, where the run was "
+        f"launched, any more: read from here, {elsewhere}\n"
+    )
     # Launched here: the paths stay as given
     config = OmegaConf.create(data)
     read_where_launched(config, elsewhere, [])

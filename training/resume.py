@@ -37,7 +37,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from data.local_files import FILE_KEYS, HUB_NAME_KEYS, from_launch_dir
+from data.local_files import FILE_KEYS, HUB_NAME_KEYS, from_launch_dir, path_list
 from data.tokenizer import BPETokenizer, CharTokenizer
 from errors import override_key
 from kinds import KINDS, kind_of
@@ -277,7 +277,7 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
     # Each side's data files as they are read: the run's from where it was launched, this
     # command's from here
     current["data"] = from_launch_dir(current["data"], Path.cwd())
-    saved_files = saved | {"data": from_launch_dir(saved.get("data", {}), launch_dir)}
+    saved_files = saved | {"data": from_launch_dir(saved.get("data", {}), launch_dir, Path.cwd())}
     conflicts = resume_conflicts(saved_files, current)
     if conflicts:
         raise ValueError(
@@ -309,8 +309,10 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
 def read_where_launched(data: DictConfig, launch_dir: Path, given: list[str]) -> None:
     """Set the run's data paths (those this command does not give) to the files they named
     where the run was launched: launched elsewhere, a resume would read same-named files there
-    (with the same characters, a corpus the tokenizer check cannot tell apart)."""
-    if launch_dir.resolve() == Path.cwd().resolve():
+    (with the same characters, a corpus the tokenizer check cannot tell apart). Paths that name
+    nothing there any more (the project has moved, say) are read from here, as it says."""
+    here = Path.cwd()
+    if launch_dir.resolve() == here.resolve():
         return
     given_keys = {override_key(o) for o in given}
     runs = {
@@ -318,7 +320,14 @@ def read_where_launched(data: DictConfig, launch_dir: Path, given: list[str]) ->
         for key in (*FILE_KEYS, *HUB_NAME_KEYS)
         if key in data and f"data.{key}" not in given_keys
     }
-    for key, value in from_launch_dir(runs, launch_dir).items():
+    there = from_launch_dir(runs, launch_dir)
+    for key, value in from_launch_dir(runs, launch_dir, moved_to=here).items():
+        if value != there[key]:
+            named = path_list(runs[key]) if key in FILE_KEYS else runs[key]
+            print_once(
+                f"data.{key}={named} names nothing in {launch_dir}, where the run was "
+                f"launched, any more: read from here, {here}"
+            )
         data[key] = value
 
 
