@@ -21,10 +21,12 @@ if TYPE_CHECKING:  # `datasets` (0.6 s to import) loads only when a cache entry 
 
 # Text files are read one paragraph (blank-line separated) per document; .jsonl one row each.
 TEXT_BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json"}
-# The data options that name files (data=text_files, data=pairs), and those that name a Hub
-# dataset or a directory laid out as one (data=hub, data=pairs)
-FILE_KEYS = ("paths", "val_paths")
+# The data options that name files, folders or globs (data=text_files, data=pairs), a file (a
+# saved tokenizer), and a Hub dataset or a directory laid out as one (data=hub, data=pairs)
+PATH_LIST_KEYS = ("paths", "val_paths")
+PATH_KEYS = ("tokenizer_file",)
 HUB_NAME_KEYS = ("name", "hub_name")
+DATA_PATH_KEYS = (*PATH_LIST_KEYS, *PATH_KEYS, *HUB_NAME_KEYS)
 
 
 def expand_paths(
@@ -76,29 +78,31 @@ def expand_paths(
 def from_launch_dir(
     options: Mapping[str, Any], launch_dir: Path, moved_to: Path | None = None
 ) -> dict:
-    """Data options (a data config's) with the relative file paths made absolute under the
-    directory a run was launched in, where it read them: its checkpoint may be resumed or scored
-    from anywhere. With `moved_to`, a path that names nothing there any more is taken under
-    `moved_to` instead (where the project has moved, say). A Hub dataset's name is a local
-    directory's only where one is there."""
+    """Data options (a data config's) with the relative paths made absolute under the directory
+    a run was launched in, where it read them: its checkpoint may be resumed or scored from
+    anywhere. With `moved_to`, a path that names nothing there any more but does under
+    `moved_to` (where the project has moved, say) is taken there. A Hub dataset's name is a
+    local directory's only where one is there: a name that was none was the Hub's."""
 
     def absolute(path: str) -> str:
         there = (launch_dir / Path(path).expanduser()).resolve()  # absolute ones stay
         if moved_to is not None and not names_files(there):
-            return str((moved_to / Path(path).expanduser()).resolve())
+            moved = (moved_to / Path(path).expanduser()).resolve()
+            if names_files(moved):
+                return str(moved)
         return str(there)
 
     resolved = dict(options)
-    for key in FILE_KEYS:
+    for key in PATH_LIST_KEYS:
         if key in resolved:
             resolved[key] = [absolute(path) for path in path_list(resolved[key])]
+    for key in PATH_KEYS:
+        if resolved.get(key) is not None:
+            resolved[key] = absolute(os.fspath(resolved[key]))
     for key in HUB_NAME_KEYS:
         name = resolved.get(key)
-        local = [
-            d for d in (launch_dir, moved_to) if d is not None and name and (d / name).is_dir()
-        ]
-        if local:
-            resolved[key] = str((local[0] / name).resolve())
+        if name and (launch_dir / name).is_dir():
+            resolved[key] = str((launch_dir / name).resolve())
     return resolved
 
 

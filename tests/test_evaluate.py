@@ -16,11 +16,12 @@ import torch
 
 from data.lm import BPE_SPECIALS
 from data.lm_text import LMDataConfig
+from data.local_files import from_launch_dir
 from data.pairs import split_rows
 from data.seq2seq import SPECIALS
 from data.seq2seq_text import Seq2SeqDataConfig, collate_pairs
 from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
-from evaluate import from_launch_dir, score_encdec, score_gpt
+from evaluate import score_encdec, score_gpt
 from export import ExportOptions, export
 from helpers import (
     BOS,

@@ -21,11 +21,12 @@ from helpers import (
     checkpoint_before_the_join,
     composed,
     fault,
+    run_script,
     run_training,
     val_losses,
 )
 from training.module import OptimConfig
-from training.resume import read_where_launched, resume_conflicts, resumed_overrides
+from training.resume import read_as_the_run_did, resume_conflicts, resumed_overrides
 from wandb_offline import config, history, run_files, run_info
 
 # One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.
@@ -621,47 +622,60 @@ def test_resume_refuses_another_optimizer(tmp_path, cache, straight):
     assert "optim.name: 'adamw' in the checkpoint, 'muon' now" in result.stderr
 
 
-def test_a_resume_launched_elsewhere_reads_the_runs_data_paths_where_it_was_launched(
-    tmp_path, monkeypatch, capsys
-):
-    launched, elsewhere = tmp_path / "launched", tmp_path / "elsewhere"
-    (launched / "hub_copy").mkdir(parents=True)
-    elsewhere.mkdir()
-    for folder in (launched, elsewhere):
-        (folder / "corpus.txt").write_text("text")
-    (elsewhere / "moved").mkdir()
-    monkeypatch.chdir(elsewhere)
-    data = {
+def test_a_resume_launched_elsewhere_reads_the_files_the_run_read(tmp_path, monkeypatch, capsys):
+    launched, here = tmp_path / "launched", tmp_path / "here"
+    for folder in (launched / "hub_copy", here / "moved", here / "wikitext"):
+        folder.mkdir(parents=True)
+    for path in (launched / "corpus.txt", here / "corpus.txt", here / "moved" / "a.txt"):
+        path.write_text("text")
+    (launched / "tok.json").write_text("{}")
+    monkeypatch.chdir(here)
+    run = {
         "paths": ["corpus.txt", "/abs/other.txt"],
-        "val_paths": ["valid.txt"],  # given by the resuming command: read from here
-        "name": "hub_copy",
-        "block_size": 64,
-    }
-    config = OmegaConf.create(data)
-    read_where_launched(config, launched, ["data.val_paths=[valid.txt]", "trainer.max_steps=9"])
-    assert OmegaConf.to_container(config) == {
-        "paths": [str(launched / "corpus.txt"), "/abs/other.txt"],
         "val_paths": ["valid.txt"],
-        "name": str(launched / "hub_copy"),
+        "name": "hub_copy",  # a directory laid out as a Hub dataset, where the run was launched
+        "tokenizer_file": "tok.json",
         "block_size": 64,
     }
-    # What names nothing where the run was launched any more (moved with the project) is read
-    # from here, and the command says so
-    config = OmegaConf.create(data | {"val_paths": ["moved/*.txt", "moved"]})
-    read_where_launched(config, launched, [])
-    assert OmegaConf.to_container(config)["val_paths"] == [
-        str(elsewhere / "moved" / "*.txt"),
-        str(elsewhere / "moved"),
+
+    def as_resumed(saved: dict, given: list[str], composed: dict | None = None) -> dict:
+        data = OmegaConf.create(composed or saved)
+        read_as_the_run_did(data, saved, launched, given)
+        return OmegaConf.to_container(data)
+
+    # The run's paths as it read them; one this command gives (valid.txt), from here
+    assert as_resumed(run, ["data.val_paths=[valid.txt]", "trainer.max_steps=9"]) == {
+        "paths": [str(launched / "corpus.txt"), "/abs/other.txt"],
+        "val_paths": [str(here / "valid.txt")],
+        "name": str(launched / "hub_copy"),
+        "tokenizer_file": str(launched / "tok.json"),
+        "block_size": 64,
+    }
+    assert capsys.readouterr().out == ""
+    # What names nothing where the run was launched any more but does here (moved with the
+    # project) is read from here, and the command says which; what names nothing in either
+    # place stays where the run read it, for the error to name
+    moved = as_resumed(run | {"val_paths": ["moved/*.txt", "moved", "corpus.txt", "gone.txt"]}, [])
+    assert moved["val_paths"] == [
+        str(here / "moved" / "*.txt"),
+        str(here / "moved"),
+        str(launched / "corpus.txt"),
+        str(launched / "gone.txt"),
     ]
-    assert OmegaConf.to_container(config)["paths"][0] == str(launched / "corpus.txt")
     assert capsys.readouterr().out == (
-        f"data.val_paths=['moved/*.txt', 'moved'] names nothing in {launched}, where the run was "
-        f"launched, any more: read from here, {elsewhere}\n"
+        f"data.val_paths: moved/*.txt, moved named nothing in {launched}, where the run was "
+        f"launched, any more: read from here, {here}\n"
     )
+    # A name that was no directory where the run was launched was the Hub's: not the
+    # same-named directory here
+    assert as_resumed(run | {"name": "wikitext"}, [])["name"] == "wikitext"
+    # A run resumed before from another directory recorded the files absolute; its overrides,
+    # which the command composes, hold them as first given
+    earlier = run | {"paths": [str(here / "corpus.txt")]}
+    assert as_resumed(earlier, [], composed=run)["paths"] == [str(here / "corpus.txt")]
     # Launched here: the paths stay as given
-    config = OmegaConf.create(data)
-    read_where_launched(config, elsewhere, [])
-    assert OmegaConf.to_container(config) == data
+    monkeypatch.chdir(launched)
+    assert as_resumed(run, ["data.val_paths=[valid.txt]"]) == run
 
 
 def test_checkpoints_from_before_optim_name_ran_adamw():
@@ -729,13 +743,17 @@ def test_a_run_resumed_from_another_directory_trains_on_the_files_it_was_launche
     straight = tmp_path / "straight"
     result = run_training(cache, *TINY, *files, f"hydra.run.dir={straight}", cwd=launched)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = tmp_path / "run"
-    signal_at = fault("SignalAt", step=12, signum=signal.SIGTERM)
-    stopped = run_training(
-        cache, *TINY, *files, f"hydra.run.dir={run_dir}", *signal_at, cwd=launched
-    )
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
 
+    def stopped_run(name: str) -> Path:
+        run_dir = tmp_path / name
+        signal_at = fault("SignalAt", step=12, signum=signal.SIGTERM)
+        stopped = run_training(
+            cache, *TINY, *files, f"hydra.run.dir={run_dir}", *signal_at, cwd=launched
+        )
+        assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+        return run_dir
+
+    run_dir = stopped_run("run")
     # This command's own data.paths=[corpus.txt] is the file here: another corpus, refused
     here = ["data=text_files", "data.paths=[corpus.txt]"]
     refused = run_training(cache, f"ckpt_path={run_dir}", *here, cwd=elsewhere)
@@ -748,9 +766,24 @@ def test_a_run_resumed_from_another_directory_trains_on_the_files_it_was_launche
     resumed = run_training(cache, f"ckpt_path={run_dir}", cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(run_dir, straight)
-    # The run's record keeps where its paths are relative to, for a later resume or evaluate.py
-    hparams = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)[
-        "hyper_parameters"
+
+    # The run's own file, named from here: taken, and recorded as the run named it
+    named_here = stopped_run("named_here")
+    same_file = ["data=text_files", "data.paths=[../launched/corpus.txt]"]
+    resumed = run_training(cache, f"ckpt_path={named_here}", *same_file, cwd=elsewhere)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(named_here, straight)
+    checkpoint = torch.load(named_here / "checkpoints" / "last.ckpt", weights_only=True)
+    record = checkpoint["hyper_parameters"]["run_config"]
+    assert record["launch_dir"] == str(launched)
+    assert record["data"]["paths"] == [str(launched / "corpus.txt")]
+    assert "data.paths=[corpus.txt]" in record["overrides"]
+    assert "data.paths=[../launched/corpus.txt]" not in record["overrides"]
+    # so evaluate.py scores the run's validation text wherever it is launched
+    scores = [
+        run_script("evaluate.py", f"ckpt={named_here}", cache_dir=cache, cwd=cwd)
+        for cwd in (launched, elsewhere)
     ]
-    assert hparams["run_config"]["launch_dir"] == str(launched)
-    assert "data.paths=[corpus.txt]" in hparams["run_config"]["overrides"]
+    assert [score.returncode for score in scores] == [0, 0], scores[1].stderr[-3000:]
+    loss_lines = [[line for line in s.stdout.splitlines() if "nats/token" in line] for s in scores]
+    assert loss_lines[0] == loss_lines[1] != []

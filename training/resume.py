@@ -37,7 +37,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from data.local_files import FILE_KEYS, HUB_NAME_KEYS, from_launch_dir, path_list
+from data.local_files import DATA_PATH_KEYS, PATH_LIST_KEYS, from_launch_dir, path_list
 from data.tokenizer import BPETokenizer, CharTokenizer
 from errors import override_key
 from kinds import KINDS, kind_of
@@ -55,9 +55,6 @@ FIXED_ON_RESUME = (
     "optim.beta2",
     "optim.weight_decay",
 )
-# The data options that name files or a local dataset directory, maybe relative to the directory
-# the run was launched in
-DATA_PATH_KEYS = tuple(f"data.{key}" for key in (*FILE_KEYS, *HUB_NAME_KEYS))
 FREE_ON_RESUME = ("model.vocab_size", "data.num_workers", "data.num_proc", "data.cache_dir")
 # Fixed keys added after some checkpoints were written, with the value those checkpoints ran
 # with, so that they still resume.
@@ -156,7 +153,8 @@ def resume_conflicts(saved: dict, current: dict) -> list[str]:
 @dataclass
 class Resume:
     """How a run starts: `cfg` composed from `overrides` (recorded in its checkpoints, for a
-    later resume), and, for a run that continues, the checkpoint at `path`."""
+    later resume; a resume's data paths are the run's, so the ones its command gave are not
+    recorded), and, for a run that continues, the checkpoint at `path`."""
 
     cfg: DictConfig
     overrides: list[str]
@@ -272,13 +270,13 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
     else:
         cfg.ckpt_path = str(path)
     launch_dir = Path(saved.get("launch_dir") or os.getcwd())  # older checkpoints: here
-    read_where_launched(cfg.data, launch_dir, given)
+    read_as_the_run_did(cfg.data, saved.get("data", {}), launch_dir, given)
     current = OmegaConf.to_container(cfg, resolve=True)
     # Each side's data files as they are read: the run's from where it was launched, this
     # command's from here
     current["data"] = from_launch_dir(current["data"], Path.cwd())
-    saved_files = saved | {"data": from_launch_dir(saved.get("data", {}), launch_dir, Path.cwd())}
-    conflicts = resume_conflicts(saved_files, current)
+    saved_as_read = saved | {"data": from_launch_dir(saved.get("data", {}), launch_dir, Path.cwd())}
+    conflicts = resume_conflicts(saved_as_read, current)
     if conflicts:
         raise ValueError(
             f"ckpt_path={path} cannot resume with changed settings ({'; '.join(conflicts[:4])}"
@@ -294,8 +292,9 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
         )
     # A later resume reads the run's data paths from its launch directory too; those this
     # command gave name the same files (checked above), relative to another directory.
+    data_paths = {f"data.{key}" for key in DATA_PATH_KEYS}
     recorded = resumed_overrides(
-        saved.get("overrides", []), [o for o in given if override_key(o) not in DATA_PATH_KEYS]
+        saved.get("overrides", []), [o for o in given if override_key(o) not in data_paths]
     )
     resume = Resume(cfg, recorded, path, checkpoint, launch_dir)
     if not resume.complete:  # train.py says there is nothing to train once every check passed
@@ -306,29 +305,37 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
     return resume
 
 
-def read_where_launched(data: DictConfig, launch_dir: Path, given: list[str]) -> None:
-    """Set the run's data paths (those this command does not give) to the files they named
-    where the run was launched: launched elsewhere, a resume would read same-named files there
-    (with the same characters, a corpus the tokenizer check cannot tell apart). Paths that name
-    nothing there any more (the project has moved, say) are read from here, as it says."""
+def read_as_the_run_did(data: DictConfig, saved: dict, launch_dir: Path, given: list[str]) -> None:
+    """Set the data paths of `data`, composed for a resume, to the files the run read (its run
+    config's `saved` data, relative to `launch_dir`), and those this command gives to the files
+    they name from here, absolute wherever a path relative to here would read other files or
+    record them relative to another directory than launch_dir. Launched elsewhere, a resume
+    would otherwise read same-named files there (with the same characters, a corpus the
+    tokenizer check cannot tell apart). What names nothing where the run was launched any more,
+    but does here (the project has moved), is read from here, as the command says."""
     here = Path.cwd()
-    if launch_dir.resolve() == here.resolve():
-        return
+    launched_here = launch_dir.resolve() == here.resolve()
     given_keys = {override_key(o) for o in given}
-    runs = {
-        key: data[key]
-        for key in (*FILE_KEYS, *HUB_NAME_KEYS)
-        if key in data and f"data.{key}" not in given_keys
-    }
-    there = from_launch_dir(runs, launch_dir)
-    for key, value in from_launch_dir(runs, launch_dir, moved_to=here).items():
-        if value != there[key]:
-            named = path_list(runs[key]) if key in FILE_KEYS else runs[key]
-            print_once(
-                f"data.{key}={named} names nothing in {launch_dir}, where the run was "
-                f"launched, any more: read from here, {here}"
-            )
-        data[key] = value
+    for key in (key for key in DATA_PATH_KEYS if key in data):
+        composed = {key: data[key]}
+        if f"data.{key}" in given_keys:
+            read = from_launch_dir(composed, here)
+        else:
+            run = {key: saved.get(key, data[key])}
+            read = from_launch_dir(run, launch_dir, moved_to=here)
+            there = from_launch_dir(run, launch_dir)
+            if read != there:
+                each = [
+                    path_list(o[key]) if key in PATH_LIST_KEYS else [o[key]]
+                    for o in (run, read, there)
+                ]
+                gone = [name for name, now, before in zip(*each, strict=True) if now != before]
+                print_once(
+                    f"data.{key}: {', '.join(gone)} named nothing in {launch_dir}, where the "
+                    f"run was launched, any more: read from here, {here}"
+                )
+        if not (launched_here and from_launch_dir(composed, here) == read):
+            data[key] = read[key]
 
 
 def clear_earlier_job(job_dir: Path) -> None:
