@@ -57,7 +57,7 @@ def expand_paths(
                     f"{key}: the folder {pattern} holds no {'/'.join(suffixes)} files"
                 )
             files += found
-        elif any(ch in pattern for ch in "*?["):
+        elif is_glob(pattern):
             matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
             matches = [m for m in matches if m.is_file()]
             if not matches:
@@ -108,8 +108,11 @@ def from_launch_dir(
 
 def names_files(path: Path) -> bool:
     """Whether `path`, a file, a folder or a glob, names anything on this machine."""
-    glob_characters = any(ch in str(path) for ch in "*?[")
-    return path.exists() or (glob_characters and bool(glob.glob(str(path), recursive=True)))
+    return path.exists() or (is_glob(str(path)) and bool(glob.glob(str(path), recursive=True)))
+
+
+def is_glob(pattern: str) -> bool:
+    return any(ch in pattern for ch in "*?[")
 
 
 def path_list(value: object) -> list:

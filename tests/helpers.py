@@ -375,11 +375,10 @@ def run_training(
 ) -> subprocess.CompletedProcess:
     """train.py, launched in `cwd`, with tests/ on its path, so that overrides can add
     faults.py's callbacks."""
-    tests = str(ROOT / "tests")
+    env = {"PYTHONPATH": str(ROOT / "tests")}
     return run_script(
-        "train.py", *overrides, cache_dir=cache_dir, env={"PYTHONPATH": tests}, timeout=timeout,
-        cwd=cwd,
-    )  # fmt: skip
+        "train.py", *overrides, cache_dir=cache_dir, env=env, timeout=timeout, cwd=cwd
+    )
 
 
 def write_hub_dataset(folder: Path, splits: dict[str, list[str]], column: str = "text") -> Path:
