@@ -35,7 +35,7 @@ from data.lm_text import (
     token_stream,
     whole_batch,
 )
-from data.local_files import from_launch_dir
+from data.local_files import from_launch_dir_or_here
 from data.metrics import character_error_rate
 from data.seq2seq_text import (
     IGNORE_INDEX,
@@ -165,7 +165,12 @@ def run_data(kind: ModelKind, hparams: dict) -> dict | None:
     known = {field.name for field in fields(kind.data_options)}
     options = {key: value for key, value in data.items() if key in known - ignored}
     launch_dir = hparams["run_config"].get("launch_dir")  # absent from older checkpoints
-    return options if launch_dir is None else from_launch_dir(options, Path(launch_dir))
+    if launch_dir is None:
+        return options
+    read, notes = from_launch_dir_or_here(options, Path(launch_dir), Path.cwd())
+    for note in notes:
+        print(note, file=sys.stderr)
+    return read
 
 
 def progress(loader: DataLoader) -> tqdm:

@@ -106,6 +106,28 @@ def from_launch_dir(
     return resolved
 
 
+def from_launch_dir_or_here(
+    options: Mapping[str, Any], launch_dir: Path, here: Path
+) -> tuple[dict, list[str]]:
+    """from_launch_dir's options, taking from `here` each path that names nothing in launch_dir
+    any more but does here (the project has moved, or was copied to another machine), and one
+    line for each option so taken, for the command to print: it reads other files than the run
+    did, where they had the same names."""
+    read = from_launch_dir(options, launch_dir, moved_to=here)
+    there = from_launch_dir(options, launch_dir)
+    notes = []
+    for key in (key for key in DATA_PATH_KEYS if read.get(key) != there.get(key)):
+        each = [
+            path_list(o[key]) if key in PATH_LIST_KEYS else [o[key]] for o in (options, read, there)
+        ]
+        gone = [name for name, now, before in zip(*each, strict=True) if now != before]
+        notes.append(
+            f"data.{key}: {', '.join(gone)} named nothing in {launch_dir}, where the run was "
+            f"launched, any more: read from here, {here}"
+        )
+    return read, notes
+
+
 def names_files(path: Path) -> bool:
     """Whether `path`, a file, a folder or a glob, names anything on this machine."""
     return path.exists() or (is_glob(str(path)) and bool(glob.glob(str(path), recursive=True)))

@@ -21,7 +21,7 @@ from data.pairs import split_rows
 from data.seq2seq import SPECIALS
 from data.seq2seq_text import Seq2SeqDataConfig, collate_pairs
 from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_dict
-from evaluate import score_encdec, score_gpt
+from evaluate import run_data, score_encdec, score_gpt
 from export import ExportOptions, export
 from helpers import (
     BOS,
@@ -40,6 +40,7 @@ from helpers import (
     train_run,
     write_hub_dataset,
 )
+from kinds import KINDS
 from model.checkpoint import load_checkpoint
 
 # One worker runs this file (pytest-xdist --dist loadgroup), so its module fixtures train once.
@@ -288,6 +289,38 @@ def test_the_runs_relative_paths_are_read_from_the_directory_it_was_launched_in(
         "hub_name": "someone/pairs",
         "block_size": 64,
     }
+
+
+def test_a_moved_projects_run_is_scored_on_its_files_where_they_are_now(
+    tmp_path, monkeypatch, capsys
+):
+    """A project moved (or copied to another machine) after training: a relative path that
+    names nothing where the run was launched any more, but does in the directory evaluate.py
+    runs in, is read there, with a line saying so; what is still where the run read it is read
+    there, and what is nowhere stays the run's, for the data's check to name."""
+    launched, here = tmp_path / "before", tmp_path / "after"
+    for folder in (launched / "texts", here / "texts"):
+        folder.mkdir(parents=True)
+    (here / "texts" / "train.txt").write_text("moved with the project")
+    for copy in (launched, here):
+        (copy / "texts" / "valid.txt").write_text("still where the run read it")
+    data = {"_target_": KINDS["gpt"].datamodule, "paths": ["texts/train.txt", "gone.txt"]}
+    data["val_paths"] = ["texts/valid.txt"]
+    run_config = {"data": data, "launch_dir": str(launched)}
+    monkeypatch.chdir(here)
+    options = run_data(KINDS["gpt"], {"run_config": run_config})
+    assert options["paths"] == [str(here / "texts" / "train.txt"), str(launched / "gone.txt")]
+    assert options["val_paths"] == [str(launched / "texts" / "valid.txt")]
+    assert capsys.readouterr().err.splitlines() == [
+        f"data.paths: texts/train.txt named nothing in {launched}, where the run was launched, "
+        f"any more: read from here, {here}"
+    ]
+    # Run where it was launched, nothing is taken from elsewhere, and nothing is said.
+    monkeypatch.chdir(launched)
+    assert run_data(KINDS["gpt"], {"run_config": run_config})["paths"][0] == str(
+        launched / "texts" / "train.txt"
+    )
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow

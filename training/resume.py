@@ -37,7 +37,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from data.local_files import DATA_PATH_KEYS, PATH_LIST_KEYS, from_launch_dir, path_list
+from data.local_files import DATA_PATH_KEYS, from_launch_dir, from_launch_dir_or_here
 from data.tokenizer import BPETokenizer, CharTokenizer
 from errors import override_key
 from kinds import KINDS, kind_of
@@ -321,19 +321,11 @@ def read_as_the_run_did(data: DictConfig, saved: dict, launch_dir: Path, given: 
         if f"data.{key}" in given_keys:
             read = from_launch_dir(composed, here)
         else:
-            run = {key: saved.get(key, data[key])}
-            read = from_launch_dir(run, launch_dir, moved_to=here)
-            there = from_launch_dir(run, launch_dir)
-            if read != there:
-                each = [
-                    path_list(o[key]) if key in PATH_LIST_KEYS else [o[key]]
-                    for o in (run, read, there)
-                ]
-                gone = [name for name, now, before in zip(*each, strict=True) if now != before]
-                print_once(
-                    f"data.{key}: {', '.join(gone)} named nothing in {launch_dir}, where the "
-                    f"run was launched, any more: read from here, {here}"
-                )
+            read, notes = from_launch_dir_or_here(
+                {key: saved.get(key, data[key])}, launch_dir, here
+            )
+            for note in notes:
+                print_once(note)
         if not (launched_here and from_launch_dir(composed, here) == read):
             data[key] = read[key]
 
