@@ -52,6 +52,20 @@ def exit_on_broken_pipe() -> NoReturn:
     sys.exit(128 + signal.SIGPIPE)
 
 
+def run_command(action: Callable[[], object]) -> None:
+    """Run a command's work (generate.py's, evaluate.py's, export.py's) as a shell tool ends: a
+    user's error on one line (exit_on_user_error), Ctrl-C with no traceback and status 130 (what
+    was printed stays on screen; a file being written is removed by the writer's own clean-up),
+    and a reader of stdout that stopped early (`| head`) quietly."""
+    try:
+        exit_on_user_error(action)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # the shell's prompt on a line of its own, after the ^C
+        sys.exit(128 + signal.SIGINT)
+    except BrokenPipeError:
+        exit_on_broken_pipe()
+
+
 def one_line(error: BaseException) -> str:
     """The message of `error` on one line. OmegaConf's, ValueErrors, add lines naming the key
     (`full_key`); one that could not resolve an interpolation, `${...}` in a value the shell

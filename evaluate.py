@@ -53,9 +53,8 @@ from errors import (
     check_known,
     check_writable,
     config_from,
-    exit_on_broken_pipe,
-    exit_on_user_error,
     override_key,
+    run_command,
 )
 from kinds import KINDS, ModelKind
 from model.checkpoint import (
@@ -393,13 +392,7 @@ def run(cfg: DictConfig) -> dict:
 @hydra.main(version_base="1.3", config_path="configs", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
     progress_bars_on_terminals_only()
-    try:
-        exit_on_user_error(lambda: run(cfg))
-    except KeyboardInterrupt:  # Ctrl-C: no traceback
-        print(file=sys.stderr)
-        sys.exit(130)
-    except BrokenPipeError:
-        exit_on_broken_pipe()
+    run_command(lambda: run(cfg))
 
 
 if __name__ == "__main__":

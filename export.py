@@ -30,8 +30,7 @@ from errors import (
     check_field_types,
     check_writable,
     config_from,
-    exit_on_broken_pipe,
-    exit_on_user_error,
+    run_command,
 )
 from model.checkpoint import (
     EXPORT_CONFIG,
@@ -311,10 +310,7 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")
 def main(cfg: DictConfig) -> None:
-    try:
-        exit_on_user_error(lambda: run(cfg))
-    except BrokenPipeError:  # the export is written before anything is printed
-        exit_on_broken_pipe()
+    run_command(lambda: run(cfg))
 
 
 if __name__ == "__main__":

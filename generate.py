@@ -27,8 +27,7 @@ from errors import (
     check_field_types,
     check_known,
     check_writable,
-    exit_on_broken_pipe,
-    exit_on_user_error,
+    run_command,
 )
 from model.checkpoint import find_checkpoint, load_checkpoint, pick_device
 from model.encdec import EncoderDecoder
@@ -309,13 +308,7 @@ def answer_each_line(answer: Callable[[str], None]) -> bool:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
-    try:
-        exit_on_user_error(lambda: run(cfg))
-    except KeyboardInterrupt:  # Ctrl-C: the text so far stays on screen, no traceback
-        print(file=sys.stderr)
-        sys.exit(130)
-    except BrokenPipeError:
-        exit_on_broken_pipe()
+    run_command(lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from errors import run_command
 from export import ExportOptions, export
 from helpers import (
     read_only,
@@ -295,6 +296,28 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch)
     monkeypatch.setattr("export.save_model", full_disk)
     with pytest.raises(ValueError, match=r"^no space left on the disk of .* to write the export"):
         exported(checkpoint, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_ctrl_c_in_an_export_ends_it_with_130_and_leaves_the_earlier_one(
+    tmp_path, monkeypatch, capsys
+):
+    """export.py, generate.py and evaluate.py end through errors.run_command: Ctrl-C (here, in
+    the middle of writing the weights) is status 130 and one blank line, no traceback, and the
+    export being written is removed, the earlier one left whole."""
+    checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
+    out = exported(checkpoint, tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("export.save_model", interrupted)
+    with pytest.raises(SystemExit) as ended:
+        run_command(lambda: exported(checkpoint, out))
+    assert ended.value.code == 130
+    assert capsys.readouterr().err == "\n"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not list(tmp_path.glob(".*.tmp"))
 
