@@ -13,11 +13,14 @@ import torch
 from filelock import FileLock
 
 # Also puts the project's root on sys.path: tests import its modules by plain name.
-from helpers import CACHE_VARIABLES, TINY, train_run
+from helpers import CACHE_VARIABLES, TINY, is_foreign, train_run
 
 # Nothing a test does may read or write the user's own caches and settings (Hugging Face
 # datasets, W&B, matplotlib), or find what another machine left there. Set before any of those
-# libraries is imported, for this process and every command a test starts.
+# libraries is imported, for this process and every command a test starts; the shell's settings
+# that would change what they do (HF_HUB_OFFLINE, WANDB_MODE, ...) go.
+for variable in [variable for variable in os.environ if is_foreign(variable)]:
+    del os.environ[variable]
 _HOME = Path(tempfile.mkdtemp(prefix="tinyformer-tests-"))
 for variable, folder in CACHE_VARIABLES.items():
     os.environ[variable] = str(_HOME / folder)

@@ -63,8 +63,10 @@ FIRST_WORD = 3
 
 # Variables of the caller's shell that change what a run does: a cluster's or launcher's ranks
 # and ports (Lightning would join a process group), W&B's mode and service, a full traceback
-# instead of one line, and thread counts (other float results).
+# instead of one line, Hugging Face's offline mode, endpoint and token, and progress bars turned
+# off (Hugging Face's, tqdm's), which the tests of the output look for. A CI may set any of them.
 FOREIGN = ("WANDB_", "HYDRA_", "SLURM_", "TORCHELASTIC_", "PL_", "LOCAL_RANK", "NODE_RANK")
+FOREIGN += ("HF_", "TQDM_")
 FOREIGN_EXACT = {"RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
 # The libraries' caches and settings, which conftest.py points at a private folder per test
 # process (and which the commands the tests start inherit): folder names inside it.
@@ -222,15 +224,18 @@ def checkpoint_before_the_join(checkpoint: dict) -> dict:
     return {**checkpoint, "state_dict": weights, "optimizer_states": states}
 
 
+def is_foreign(variable: str) -> bool:
+    """Whether the caller's `variable` is one no test may inherit (FOREIGN), the caches that
+    conftest.py points at its own folder excepted."""
+    foreign = variable.startswith(FOREIGN) or variable in FOREIGN_EXACT
+    return foreign and variable not in CACHE_VARIABLES
+
+
 def clean_env(cache_dir: Path, **extra: str) -> dict[str, str]:
     """os.environ less what FOREIGN names, with the prepared-data cache at `cache_dir`, one
     thread per process (the suite's processes run side by side, and one thread computes the
     same floats everywhere) and W&B offline and quiet."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key in CACHE_VARIABLES or not (key.startswith(FOREIGN) or key in FOREIGN_EXACT)
-    }
+    env = {key: value for key, value in os.environ.items() if not is_foreign(key)}
     return {
         **env,
         "TINYFORMER_CACHE": str(cache_dir),

@@ -26,6 +26,7 @@ def cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, cache) -> Path:
     overrides = [*TINY, "trainer=ddp_cpu", "callbacks=batch_log", "data.batch_size=8"]
+    overrides += ["callbacks.progress_bar.every_seconds=1e9"]  # a line at each validation only
     return train_run(tmp_path_factory.mktemp("run_ddp"), *overrides, cache_dir=cache)
 
 
