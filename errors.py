@@ -55,8 +55,9 @@ def exit_on_broken_pipe() -> NoReturn:
 def run_command(action: Callable[[], object]) -> None:
     """Run a command's work (generate.py's, evaluate.py's, export.py's) as a shell tool ends: a
     user's error on one line (exit_on_user_error), Ctrl-C with no traceback and status 130 (what
-    was printed stays on screen; a file being written is removed by the writer's own clean-up),
-    and a reader of stdout that stopped early (`| head`) quietly."""
+    was printed stays on screen; what the command was writing is its own to clean up, as
+    export.py's staging directory is), and a reader of stdout that stopped early (`| head`)
+    quietly."""
     try:
         exit_on_user_error(action)
     except KeyboardInterrupt:

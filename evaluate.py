@@ -156,7 +156,9 @@ def data_config(
 def run_data(kind: ModelKind, hparams: dict) -> dict | None:
     """The data options the checkpoint's run trained with, as evaluate.py scores them by default
     (its validation split), or None for a checkpoint that does not record them. The tokenizer's
-    are left out: the checkpoint's own tokenizer scores, whichever file its run read it from."""
+    are left out: the checkpoint's own tokenizer scores, whichever file its run read it from.
+    Its files are read where the run read them, or, where nothing is there any more but is
+    here, here (the project has moved), with a line on stderr saying so."""
     data = (hparams.get("run_config") or {}).get("data")
     if not data or data.get("_target_") != kind.datamodule:
         return None

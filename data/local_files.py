@@ -76,7 +76,7 @@ def expand_paths(
 
 
 def from_launch_dir(
-    options: Mapping[str, Any], launch_dir: Path, moved_to: Path | None = None
+    options: Mapping[str, Any], launch_dir: Path, *, moved_to: Path | None = None
 ) -> dict:
     """Data options (a data config's) with the relative paths made absolute under the directory
     a run was launched in, where it read them: its checkpoint may be resumed or scored from
@@ -116,7 +116,7 @@ def from_launch_dir_or_here(
     read = from_launch_dir(options, launch_dir, moved_to=here)
     there = from_launch_dir(options, launch_dir)
     notes = []
-    for key in (key for key in DATA_PATH_KEYS if read.get(key) != there.get(key)):
+    for key in (key for key in (*PATH_LIST_KEYS, *PATH_KEYS) if read.get(key) != there.get(key)):
         each = [
             path_list(o[key]) if key in PATH_LIST_KEYS else [o[key]] for o in (options, read, there)
         ]

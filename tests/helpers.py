@@ -65,8 +65,10 @@ FIRST_WORD = 3
 # and ports (Lightning would join a process group), W&B's mode and service, a full traceback
 # instead of one line, Hugging Face's offline mode, endpoint and token, and progress bars turned
 # off (Hugging Face's, tqdm's), which the tests of the output look for. A CI may set any of them.
-FOREIGN = ("WANDB_", "HYDRA_", "SLURM_", "TORCHELASTIC_", "PL_", "LOCAL_RANK", "NODE_RANK")
-FOREIGN += ("HF_", "TQDM_")
+FOREIGN = (
+    *("WANDB_", "HYDRA_", "SLURM_", "TORCHELASTIC_", "PL_", "LOCAL_RANK", "NODE_RANK"),
+    *("HF_", "TQDM_"),
+)
 FOREIGN_EXACT = {"RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
 # The libraries' caches and settings, which conftest.py points at a private folder per test
 # process (and which the commands the tests start inherit): folder names inside it.

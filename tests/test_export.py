@@ -303,9 +303,9 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch)
 def test_ctrl_c_in_an_export_ends_it_with_130_and_leaves_the_earlier_one(
     tmp_path, monkeypatch, capsys
 ):
-    """export.py, generate.py and evaluate.py end through errors.run_command: Ctrl-C (here, in
-    the middle of writing the weights) is status 130 and one blank line, no traceback, and the
-    export being written is removed, the earlier one left whole."""
+    """Ctrl-C in the middle of writing the weights, through errors.run_command as export.py's
+    main ends (and generate.py's and evaluate.py's): status 130 and one blank line, no
+    traceback; the export being written is removed, the earlier one left whole."""
     checkpoint = checkpoint_of(tiny_gpt(CHARS.vocab_size), tmp_path)
     out = exported(checkpoint, tmp_path / "export")
     before = {p.name: p.read_bytes() for p in out.iterdir()}

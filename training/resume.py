@@ -274,8 +274,10 @@ def prepare_resume(cfg: DictConfig, given: list[str], in_sweep: bool) -> Resume:
     current = OmegaConf.to_container(cfg, resolve=True)
     # Each side's data files as they are read: the run's from where it was launched, this
     # command's from here
-    current["data"] = from_launch_dir(current["data"], Path.cwd())
-    saved_as_read = saved | {"data": from_launch_dir(saved.get("data", {}), launch_dir, Path.cwd())}
+    here = Path.cwd()
+    current["data"] = from_launch_dir(current["data"], here)
+    saved_data = from_launch_dir(saved.get("data", {}), launch_dir, moved_to=here)
+    saved_as_read = saved | {"data": saved_data}
     conflicts = resume_conflicts(saved_as_read, current)
     if conflicts:
         raise ValueError(
