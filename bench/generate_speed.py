@@ -7,7 +7,7 @@
   memory, computed once) and without them.
 
     python bench/generate_speed.py [--device cuda] [--repeats 5] \
-        [--cuda-graph [--compile-step] [--tokens-per-replay 8] [--versus-tokens-per-replay 1]] \
+        [--cuda-graph [--compile-step] [--tokens-per-replay 1] [--versus-tokens-per-replay 8]] \
         [--read-each-token]
 
 With --cuda-graph the GPT's cached side decodes through StaticDecoding (model/generation.py):
@@ -166,7 +166,7 @@ def main() -> None:
         "--compile-step", action="store_true", help="with --cuda-graph: the graphs' step compiled"
     )
     parser.add_argument(
-        "--tokens-per-replay", type=int, default=8, help="with --cuda-graph: tokens a graph makes"
+        "--tokens-per-replay", type=int, default=1, help="with --cuda-graph: tokens a graph makes"
     )
     parser.add_argument(
         "--versus-tokens-per-replay",

@@ -173,21 +173,21 @@ for ((i = 0; i < ${#queue[@]}; i++)); do
         ((comparisons > 1)) && name=vs_nanogpt_$comparisons
         run_vs_nanogpt "$name" "$left" || failed=1
         ;;
-    # Decoding with CUDA graphs of 8 tokens a replay (generate.py's default) and of 1, in the
+    # Decoding with CUDA graphs of 1 token a replay (generate.py's default) and of 8, in the
     # same rounds, their step plain and compiled; and plain, each token read as it comes (as
     # generate.py prints it)
     decode_graph)
         step 75 decode_graph "$python" bench/generate_speed.py --device cuda --repeats 5 \
-            --cuda-graph --tokens-per-replay 8 --versus-tokens-per-replay 1 || failed=1
+            --cuda-graph --tokens-per-replay 1 --versus-tokens-per-replay 8 || failed=1
         ;;
     decode_streamed)
         step 75 decode_streamed "$python" bench/generate_speed.py --device cuda --repeats 5 \
-            --cuda-graph --tokens-per-replay 8 --versus-tokens-per-replay 1 --read-each-token ||
+            --cuda-graph --tokens-per-replay 1 --versus-tokens-per-replay 8 --read-each-token ||
             failed=1
         ;;
     decode_compiled)
         step 150 decode_compiled "$python" bench/generate_speed.py --device cuda --repeats 5 \
-            --cuda-graph --compile-step --tokens-per-replay 8 --versus-tokens-per-replay 1 ||
+            --cuda-graph --compile-step --tokens-per-replay 1 --versus-tokens-per-replay 8 ||
             failed=1
         ;;
     # The kernels of one decoding step, eager and compiled

@@ -99,7 +99,7 @@ def generate(
     use_cache: bool = True,
     static_cache: bool = False,
     compile_step: bool = False,
-    tokens_per_replay: int = 8,
+    tokens_per_replay: int = 1,
     vocab_size: int | None = None,
     **sampling,
 ) -> Iterator[Tensor]:
@@ -211,7 +211,9 @@ class StaticDecoding:
     tokens, and waits for the device only where the caller reads a token. The tokens a run
     makes ahead are handed out by the steps that follow; a step given other tokens than the last
     one handed out, or a start(), drops them. Near the end of the block, where tokens_per_replay
-    positions no longer fit, runs make one token each.
+    positions no longer fit, runs make one token each. One token a replay is the default: on an
+    H200, runs of eight made 0.91x the tokens/s of runs of one, in three paired benchmarks, with
+    each token read as it came too (BENCHMARKS.md).
 
     With compile_step the graphs record the forward pass compiled (torch.compile, static shapes,
     on a GPU only): fewer, fused kernels, for a compilation on the first step (once per process
@@ -231,7 +233,7 @@ class StaticDecoding:
         pick: Pick,
         generator: torch.Generator | None = None,
         compile_step: bool = False,
-        tokens_per_replay: int = 8,
+        tokens_per_replay: int = 1,
     ):
         if tokens_per_replay < 1:
             raise ValueError(f"tokens_per_replay={tokens_per_replay}: make it 1 or more")
