@@ -135,8 +135,10 @@ def data_config(
             try:
                 config_from(kind.data_options, defaults, "data.", which)
             except (ValueError, FileNotFoundError) as error:
+                moved = "put them back, run evaluate.py in the moved project's directory, or "
+                hint = moved if isinstance(error, FileNotFoundError) else ""
                 raise type(error)(
-                    f"the data {shown} trained on: {error} (score other text with "
+                    f"the data {shown} trained on: {error} ({hint}score other text with "
                     f"{kind.eval_data_choices})"
                 ) from None
         options = {**defaults, **options}  # +data.key=value on the command line

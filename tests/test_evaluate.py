@@ -266,7 +266,10 @@ def test_a_text_files_run_is_scored_by_default_on_its_own_validation_split(cache
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert re.search(rf"trained on: data.paths: no file at {re.escape(str(corpus))}", last), last
-    assert last.endswith("(score other text with data=text_files or data=hub)"), last
+    assert last.endswith(
+        "(put them back, run evaluate.py in the moved project's directory, or score other text "
+        "with data=text_files or data=hub)"
+    ), last
 
 
 def test_the_runs_relative_paths_are_read_from_the_directory_it_was_launched_in(tmp_path):
