@@ -5,6 +5,7 @@ Plain Python on purpose: model/ and data/ may not import each other, and both ch
 the same way, so the checks live beside them rather than in either.
 """
 
+import atexit
 import dataclasses
 import math
 import os
@@ -52,17 +53,58 @@ def exit_on_broken_pipe() -> NoReturn:
     sys.exit(128 + signal.SIGPIPE)
 
 
+def end_as_interrupted(*, newline: bool) -> NoReturn:
+    """End the command as Ctrl-C ends a program that lets it through: KeyboardInterrupt up to the
+    interpreter, and once its finally blocks, its threads and its exit callbacks have run, the
+    process ends by SIGINT, here without a traceback; with `newline`, a line break, so that the
+    shell's prompt comes on a line of its own after the ^C. The shell's $? reads 130 either way,
+    but a shell running the command in a loop goes on to the next one after a command that exited
+    by itself with 130: it takes the Ctrl-C to have been handled. Python ends by SIGINT after an
+    uncaught KeyboardInterrupt only where no exit callback runs code from a string (eval, exec):
+    one that does (torch._dynamo's report of compile times, through a namedtuple) erases its
+    record of the interrupt, and the process exits with status 1."""
+    print_traceback = sys.excepthook
+
+    def quietly(kind: type[BaseException], error: BaseException, traceback: object) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            print_traceback(kind, error, traceback)
+            return
+        if newline:
+            print(file=sys.stderr)
+        atexit.register(_end_by_sigint_after_the_exit_callbacks)  # the last one, so run first
+
+    sys.excepthook = quietly
+    raise KeyboardInterrupt
+
+
+def _end_by_sigint_after_the_exit_callbacks() -> None:
+    """The first exit callback to run: runs the others, in their order (atexit's own runner,
+    underscored, in every Python 3), then ends the process by SIGINT."""
+    atexit.unregister(_end_by_sigint_after_the_exit_callbacks)
+    atexit._run_exitfuncs()
+    end_by_ctrl_c_now()
+
+
+def end_by_ctrl_c_now() -> NoReturn:
+    """End the process at once, without cleaning up, as SIGINT's default action does (why the
+    signal and not status 130: end_as_interrupted)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    os._exit(128 + signal.SIGINT)  # reached only where SIGINT is blocked
+
+
 def run_command(action: Callable[[], object]) -> None:
     """Run a command's work (generate.py's, evaluate.py's, export.py's) as a shell tool ends: a
-    user's error on one line (exit_on_user_error), Ctrl-C with no traceback and status 130 (what
-    was printed stays on screen; what the command was writing is its own to clean up, as
-    export.py's staging directory is), and a reader of stdout that stopped early (`| head`)
-    quietly."""
+    user's error on one line (exit_on_user_error), Ctrl-C without a traceback, ended by SIGINT
+    (end_as_interrupted: what was printed stays on screen; what the command was writing is its
+    own to clean up, as export.py's staging directory is), and a reader of stdout that stopped
+    early (`| head`) quietly."""
     try:
         exit_on_user_error(action)
     except KeyboardInterrupt:
-        print(file=sys.stderr)  # the shell's prompt on a line of its own, after the ^C
-        sys.exit(128 + signal.SIGINT)
+        end_as_interrupted(newline=True)
     except BrokenPipeError:
         exit_on_broken_pipe()
 

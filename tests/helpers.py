@@ -247,6 +247,13 @@ def clean_env(cache_dir: Path, **extra: str) -> dict[str, str]:
     }
 
 
+def stopped_status(signum: int) -> int:
+    """A command's returncode once `signum` stopped it: Ctrl-C ends it by SIGINT itself, so
+    that a shell loop running it stops too (errors.end_as_interrupted); SIGTERM, with status
+    143, the job's own, for a scheduler to record."""
+    return -signal.SIGINT if signum == signal.SIGINT else 128 + signum
+
+
 def default_signals() -> None:
     """For a child process (preexec_fn): Ctrl-C and SIGTERM do what they do in a shell, and the
     command runs in a process group of its own, as a shell's job does. A test process may have

@@ -377,21 +377,32 @@ def test_bad_override_fails_before_data_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_generate_without_a_traceback(trained_run, shared_cache):
-    command = [sys.executable, str(ROOT / "generate.py"), f"ckpt={trained_run}"]
-    generating = subprocess.Popen(
-        [*command, "max_new_tokens=1000000"],
+def test_ctrl_c_ends_generate_and_the_shell_loop_running_it(trained_run, shared_cache):
+    """Ctrl-C (SIGINT to the job's process group, as a terminal sends it) while generate.py
+    streams, in a shell loop over two generations: no traceback, generate.py ends by SIGINT,
+    and the loop ends there too. Had generate.py exited with status 130 by itself (what the
+    shell's $? shows either way), bash would have taken the Ctrl-C as handled and gone on to the
+    next generation."""
+    generate = shlex.join([sys.executable, str(ROOT / "generate.py"), f"ckpt={trained_run}"])
+    # the first streams until interrupted; the second, if the loop went on, ends at once
+    loop = f"for n in 1000000 1; do echo start $n >&2; {generate} max_new_tokens=$n; done"
+    loop += "; echo after >&2"
+    looping = subprocess.Popen(
+        ["bash", "-c", loop],
         cwd=ROOT,
         env=clean_env(shared_cache),
         preexec_fn=default_signals,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    streamed = generating.stdout.read(20)  # it is streaming text now
-    generating.send_signal(signal.SIGINT)
-    _, stderr = generating.communicate(timeout=120)
+    streamed = looping.stdout.read(20)  # it is streaming text now
+    os.killpg(looping.pid, signal.SIGINT)
+    _, stderr = looping.communicate(timeout=120)
     assert len(streamed) == 20
-    assert generating.returncode == 130 and b"Traceback" not in stderr, stderr.decode()[-3000:]
+    said = stderr.decode()
+    assert looping.returncode == -signal.SIGINT, said[-3000:]
+    assert "Traceback" not in said and said.splitlines()[-1] == "", said[-3000:]
+    assert "start 1\n" not in said and "after" not in said, said[-3000:]
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from helpers import (
     fault,
     run_script,
     run_training,
+    stopped_status,
     val_losses,
 )
 from training.module import OptimConfig
@@ -82,8 +83,8 @@ def straight(tmp_path_factory, cache) -> Path:
 @pytest.mark.parametrize(
     ("signum", "step", "status"),
     [
-        (signal.SIGTERM, 25, 128 + signal.SIGTERM),  # between checkpoints
-        (signal.SIGINT, 25, 128 + signal.SIGINT),
+        (signal.SIGTERM, 25, stopped_status(signal.SIGTERM)),  # between checkpoints
+        (signal.SIGINT, 25, stopped_status(signal.SIGINT)),
     ],
     ids=["SIGTERM", "SIGINT"],
 )
@@ -189,7 +190,7 @@ def test_a_two_process_ddp_run_stopped_by_a_signal_resumes_exactly(
     run_dir = tmp_path / "run"
     ddp = [*TINY, "trainer=ddp_cpu", f"hydra.run.dir={run_dir}"]
     stopped = run_training(cache, *ddp, *stop, timeout=300)
-    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    assert stopped.returncode == stopped_status(signum), stopped.stderr[-3000:]
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == step and "partial_gradients" not in saved
     name = signal.Signals(signum).name

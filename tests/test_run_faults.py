@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from data.cache import entry_problem
-from helpers import ROOT, SMALLEST, clean_env, fault, run_training
+from helpers import ROOT, SMALLEST, clean_env, fault, run_training, stopped_status
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +103,7 @@ def test_a_checkpoint_whose_optimizer_groups_do_not_fit_is_one_line(tmp_path):
 
 def test_ctrl_c_during_a_validation_lets_it_finish_then_stops(tmp_path):
     """Ctrl-C in the middle of a validation: the validation finishes (its loss is recorded and
-    last.ckpt written after it), the run stops with status 130, and resumed it reaches the
+    last.ckpt written after it), the run ends by SIGINT, and resumed it reaches the
     validation losses of a run never interrupted."""
     cache, whole, stopped = tmp_path / "cache", tmp_path / "whole", tmp_path / "stopped"
     command = [*SMALLEST, "trainer.max_steps=8", "trainer.val_check_interval=4"]
@@ -112,7 +112,7 @@ def test_ctrl_c_during_a_validation_lets_it_finish_then_stops(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     ctrl_c = fault("SignalDuringValidation", step=4, signum=signal.SIGINT)
     interrupted = run_training(cache, *command, f"hydra.run.dir={stopped}", *ctrl_c)
-    assert interrupted.returncode == 128 + signal.SIGINT, interrupted.stderr[-3000:]
+    assert interrupted.returncode == stopped_status(signal.SIGINT), interrupted.stderr[-3000:]
     assert val_losses(stopped) == {4: val_losses(whole)[4]}
     assert "Ctrl-C: stopping after this validation" in interrupted.stderr
     assert "a stop is already under way" not in interrupted.stderr
@@ -132,7 +132,7 @@ def test_a_signal_in_the_sanity_check_stops_the_run_with_its_status(tmp_path, si
     command = [*SMALLEST, "trainer.max_steps=4", "trainer.num_sanity_val_steps=2"]
     command += [*fault("SignalInSanityCheck", signum=signum), f"hydra.run.dir={run_dir}"]
     stopped = run_training(tmp_path / "cache", *command)
-    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    assert stopped.returncode == stopped_status(signum), stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     if signum == signal.SIGINT:
         assert stopped.stderr.strip().splitlines()[-1] == (
@@ -169,7 +169,7 @@ def test_a_signal_while_preparing_the_data_stops_the_run_and_leaves_no_entry(tmp
     command = [*SMALLEST, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
     stop = fault("SignalWhileWritingTokens", signum=signum)
     stopped = run_training(cache, *command, *stop)
-    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    assert stopped.returncode == stopped_status(signum), stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     if signum == signal.SIGINT:
         assert stopped.stderr.strip().splitlines()[-1] == (
@@ -190,7 +190,7 @@ def test_a_signal_while_preparing_the_data_stops_the_run_and_leaves_no_entry(tmp
     resumed = run_training(
         tmp_path / "other_cache", f"ckpt_path={run_dir}", "trainer.max_steps=4", *stop
     )
-    assert resumed.returncode == 128 + signum, resumed.stderr[-3000:]
+    assert resumed.returncode == stopped_status(signum), resumed.stderr[-3000:]
     assert records == sorted(p.name for p in (run_dir / ".hydra").iterdir())
 
 

@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.local_files import DATA_PATH_KEYS, from_launch_dir, from_launch_dir_or_here
 from data.tokenizer import BPETokenizer, CharTokenizer
-from errors import override_key
+from errors import end_as_interrupted, end_by_ctrl_c_now, override_key
 from kinds import KINDS, kind_of
 from model.checkpoint import find_checkpoint, load_safely
 from training.failures import TRAIN_ERRORS
@@ -527,9 +527,10 @@ class StopSignals(L.Callback):
     A Ctrl-C during a validation lets it finish first (its loss, and a best checkpoint, would
     otherwise be lost: the resumed run does not repeat it). A second Ctrl-C quits at once.
     Before training (the checks, preparing the data, the sanity check) there is nothing to save:
-    either signal ends the process at once, with the status a shell gives it (130, 143) and, for
-    Ctrl-C, one line. Once training is complete (fit() returned), either ends the end-of-run
-    sample (run_sample), and the run ends completed, as summary.json says.
+    either signal ends the process at once (Ctrl-C with one line). A run stopped by SIGTERM ends
+    with status 143, one stopped by Ctrl-C by SIGINT itself (the shell's $? reads 130), as a
+    shell loop over runs needs to stop too. Once training is complete (fit() returned), either
+    ends the end-of-run sample (run_sample), and the run ends completed, as summary.json says.
 
     On one process, Lightning's SIGTERM handler sets a flag that its loops turn into a
     SIGTERMException at the end of the batch; SIGINT sets that flag too. In a run of several
@@ -575,7 +576,7 @@ class StopSignals(L.Callback):
         ending = False
         try:
             yield
-        except SystemExit:
+        except (SystemExit, KeyboardInterrupt):
             # The process is ending (with a stop's status, say): ours stay to its end, so that
             # a SIGTERM a scheduler repeats meanwhile is ignored rather than fatal.
             ending = True
@@ -650,13 +651,14 @@ class StopSignals(L.Callback):
 
     def _end_before_training(self, signum: int) -> NoReturn:
         """Before any step (the checks, preparing the data, the sanity check) there is nothing
-        to save: end the process at once, with the status a shell gives one that the signal
-        ended, and for Ctrl-C one line. At once, not by an exception through the code it
-        interrupts: datasets.map, ending its pool of workers that the signal reached too, waits
-        forever on a lock that a dead worker held. Nothing is left half-done that a later run
-        would use: the data cache builds an entry aside and moves it into place whole, and the
-        next build of that entry removes what this one had written (data/cache.py). A resumed
-        run's record of this start (.hydra/resume-N) goes, as for a start that was refused."""
+        to save: end the process at once, Ctrl-C by SIGINT itself and with one line (why:
+        errors.end_as_interrupted), SIGTERM with the status a shell gives a process that SIGTERM
+        ended, 143. At once, not by an exception through the code it interrupts: datasets.map,
+        ending its pool of workers that the signal reached too, waits forever on a lock that a
+        dead worker held. Nothing is left half-done that a later run would use: the data cache
+        builds an entry aside and moves it into place whole, and the next build of that entry
+        removes what this one had written (data/cache.py). A resumed run's record of this start
+        (.hydra/resume-N) goes, as for a start that was refused."""
         if os.getpid() == self._pid:  # a worker of datasets.map's pool ends quietly
             if signum == signal.SIGINT:
                 print("\nCtrl-C before training began: stopping, nothing saved", file=sys.stderr)
@@ -667,6 +669,8 @@ class StopSignals(L.Callback):
             _end_workers()
             if self._launcher is not None:  # the signal ends them as it ends this one
                 self._launcher.kill(signum)
+            if signum == signal.SIGINT:
+                end_by_ctrl_c_now()
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(128 + signum)
@@ -739,8 +743,10 @@ class StopSignals(L.Callback):
         self._phase = "finished"
 
     def exit(self, trainer: L.Trainer, run_dir: str) -> NoReturn:
-        """After fit() stopped on a signal: how to continue, and the exit status a shell gives a
-        process that signal ended (128 + signal number), so job schedulers see it."""
+        """After fit() stopped on a signal: how to continue, then the end, for SIGTERM with the
+        status a shell gives a process that SIGTERM ended (143), so job schedulers see it, and
+        for Ctrl-C by SIGINT itself once the process has cleaned up (errors.end_as_interrupted),
+        so that a shell loop running train.py stops too."""
         if trainer.is_global_zero:
             saved = f"saved {self.saved}" if self.saved else "nothing saved at this step"
             print(
@@ -752,6 +758,8 @@ class StopSignals(L.Callback):
         # that started the other ranks (Lightning's) kills every process as soon as one of them
         # ends with a status other than 0, its checkpoint's background write included.
         trainer.strategy.barrier("StopSignals.exit")
+        if self.signum == signal.SIGINT:
+            end_as_interrupted(newline=False)
         sys.exit(128 + self.signum)
 
     def on_exception(
