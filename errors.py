@@ -6,6 +6,7 @@ the same way, so the checks live beside them rather than in either.
 """
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import os
@@ -88,8 +89,9 @@ def _end_by_sigint_after_the_exit_callbacks() -> None:
 def end_by_ctrl_c_now() -> NoReturn:
     """End the process at once, without cleaning up, as SIGINT's default action does (why the
     signal and not status 130: end_as_interrupted)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone, a stream closed
+            stream.flush()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGINT)
     os._exit(128 + signal.SIGINT)  # reached only where SIGINT is blocked

@@ -405,6 +405,34 @@ def test_ctrl_c_ends_generate_and_the_shell_loop_running_it(trained_run, shared_
     assert "start 1\n" not in said and "after" not in said, said[-3000:]
 
 
+# A command interrupted with output its reader will never take: the other end of its stdout
+# closed. The exit callback before it runs code from a string, as torch._dynamo's does, which
+# erases Python's own record of the interrupt: only errors.end_as_interrupted's end is left.
+UNREAD_OUTPUT_AT_CTRL_C = """
+import atexit, sys
+from errors import end_as_interrupted
+atexit.register(lambda: eval("0"))
+sys.stdout.write("x" * 100)
+end_as_interrupted(newline=True)
+"""
+
+
+def test_ctrl_c_ends_by_sigint_with_output_that_can_no_longer_be_written():
+    reader, writer = os.pipe()
+    os.close(reader)
+    # stdout buffered, as a command's is in a pipe, whatever the test's own setting
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    command = [sys.executable, "-c", UNREAD_OUTPUT_AT_CTRL_C]
+    try:
+        ended = subprocess.run(
+            command, cwd=ROOT, env=env, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=60
+        )
+    finally:
+        os.close(writer)
+    assert ended.returncode == -signal.SIGINT, ended.stderr[-3000:]
+    assert ended.stderr == "\n"
+
+
 @pytest.mark.slow
 def test_cpu_fast_recipe_trains_with_muon_in_bf16(tmp_path, shared_cache):
     """experiment=cpu_fast, cut to a tiny model and 30 steps: Muon on the matrices, bf16-mixed
