@@ -406,7 +406,7 @@ def test_ctrl_c_ends_generate_and_the_shell_loop_running_it(trained_run, shared_
 
 
 # A command interrupted with output its reader will never take: the other end of its stdout
-# closed. The exit callback before it runs code from a string, as torch._dynamo's does, which
+# closed. One of its exit callbacks runs code from a string, as torch._dynamo's does, which
 # erases Python's own record of the interrupt: only errors.end_as_interrupted's end is left.
 UNREAD_OUTPUT_AT_CTRL_C = """
 import atexit, sys
