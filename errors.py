@@ -83,18 +83,20 @@ def _end_by_sigint_after_the_exit_callbacks() -> None:
     underscored, in every Python 3), then ends the process by SIGINT."""
     atexit.unregister(_end_by_sigint_after_the_exit_callbacks)
     atexit._run_exitfuncs()
-    end_by_ctrl_c_now()
+    end_at_once(signal.SIGINT)
 
 
-def end_by_ctrl_c_now() -> NoReturn:
-    """End the process at once, without cleaning up, as SIGINT's default action does (why the
-    signal and not status 130: end_as_interrupted)."""
+def end_at_once(signum: int) -> NoReturn:
+    """End the process now, without cleaning up, what was printed flushed: after Ctrl-C by SIGINT
+    itself, as its default action does (why the signal and not status 130: end_as_interrupted),
+    after another signal with the status a shell gives a process that signal ended."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a reader gone, a stream closed
             stream.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
-    os._exit(128 + signal.SIGINT)  # reached only where SIGINT is blocked
+    if signum == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(128 + signum)  # after SIGINT, reached only where the signal is blocked
 
 
 def run_command(action: Callable[[], object]) -> None:

@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.local_files import DATA_PATH_KEYS, from_launch_dir, from_launch_dir_or_here
 from data.tokenizer import BPETokenizer, CharTokenizer
-from errors import end_as_interrupted, end_by_ctrl_c_now, override_key
+from errors import end_as_interrupted, end_at_once, override_key
 from kinds import KINDS, kind_of
 from model.checkpoint import find_checkpoint, load_safely
 from training.failures import TRAIN_ERRORS
@@ -651,14 +651,13 @@ class StopSignals(L.Callback):
 
     def _end_before_training(self, signum: int) -> NoReturn:
         """Before any step (the checks, preparing the data, the sanity check) there is nothing
-        to save: end the process at once, Ctrl-C by SIGINT itself and with one line (why:
-        errors.end_as_interrupted), SIGTERM with the status a shell gives a process that SIGTERM
-        ended, 143. At once, not by an exception through the code it interrupts: datasets.map,
-        ending its pool of workers that the signal reached too, waits forever on a lock that a
-        dead worker held. Nothing is left half-done that a later run would use: the data cache
-        builds an entry aside and moves it into place whole, and the next build of that entry
-        removes what this one had written (data/cache.py). A resumed run's record of this start
-        (.hydra/resume-N) goes, as for a start that was refused."""
+        to save: end the process at once (errors.end_at_once: Ctrl-C by SIGINT itself, with one
+        line; SIGTERM with status 143). At once, not by an exception through the code it
+        interrupts: datasets.map, ending its pool of workers that the signal reached too, waits
+        forever on a lock that a dead worker held. Nothing is left half-done that a later run
+        would use: the data cache builds an entry aside and moves it into place whole, and the
+        next build of that entry removes what this one had written (data/cache.py). A resumed
+        run's record of this start (.hydra/resume-N) goes, as for a start that was refused."""
         if os.getpid() == self._pid:  # a worker of datasets.map's pool ends quietly
             if signum == signal.SIGINT:
                 print("\nCtrl-C before training began: stopping, nothing saved", file=sys.stderr)
@@ -669,10 +668,7 @@ class StopSignals(L.Callback):
             _end_workers()
             if self._launcher is not None:  # the signal ends them as it ends this one
                 self._launcher.kill(signum)
-            if signum == signal.SIGINT:
-                end_by_ctrl_c_now()
-            sys.stdout.flush()
-            sys.stderr.flush()
+            end_at_once(signum)
         os._exit(128 + signum)
 
     def run_sample(self, sample: Callable[[], None]) -> None:
