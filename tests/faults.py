@@ -65,17 +65,40 @@ class SignalAtBatch(L.Callback):
 
 class SignalDuringValidation(L.Callback):
     """Send this process the signal `signum` in the validation after step `step`, once its
-    first batch is done."""
+    first batch is done, and with `again`, once more after its second batch (a user pressing
+    Ctrl-C twice), each time once the checkpoints written so far are on disk. In a distributed
+    run every process signals itself, or, given `rank`, the process of that rank only."""
 
-    def __init__(self, step: int, signum: int) -> None:
-        self.step, self.signum = step, signum
+    def __init__(
+        self, step: int, signum: int, again: bool = False, rank: int | None = None
+    ) -> None:
+        self.step, self.signum, self.rank = step, signum, rank
+        self.batches = (0, 1) if again else (0,)
 
     def on_validation_batch_end(
         self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int, *args
     ) -> None:
         fresh = trainer.ckpt_path is None and not trainer.sanity_checking
-        if fresh and trainer.global_step == self.step and batch_idx == 0:
-            os.kill(os.getpid(), self.signum)
+        ours = self.rank in (None, trainer.global_rank)
+        if fresh and ours and trainer.global_step == self.step and batch_idx in self.batches:
+            signal_once_saved(trainer, self.signum)
+
+
+class CtrlCWhileSavingTheStop(SignalAt):
+    """SignalAt's signal before step `step + 1`, then, as the run stopping on it saves its
+    checkpoint (as the checkpoint is gathered, before its file is written), Ctrl-C: a user
+    impatient with the stop."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        super().__init__(step, signum)
+        self.stopping = False
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        self.stopping = True  # before StopSignals' hook, which saves
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module, checkpoint: dict) -> None:
+        if self.stopping:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 class SignalInSanityCheck(L.Callback):

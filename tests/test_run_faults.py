@@ -123,6 +123,66 @@ def test_ctrl_c_during_a_validation_lets_it_finish_then_stops(tmp_path):
     assert val_losses(stopped) == val_losses(whole)
 
 
+QUIT_NOW = "Ctrl-C while stopping: quitting now; the checkpoints saved before stay as they were"
+
+
+def test_a_second_ctrl_c_quits_at_once_by_sigint_and_the_run_resumes(tmp_path):
+    """Ctrl-C twice in a validation: the second does not wait for the validation and the
+    checkpoint of the first, and ends the run by SIGINT as one Ctrl-C does (it exited with
+    status 1, saying nothing): a shell loop over runs stops too. The checkpoints saved before
+    are whole, and the run resumes from them to the losses of a run never interrupted."""
+    cache, whole, stopped = tmp_path / "cache", tmp_path / "whole", tmp_path / "stopped"
+    command = [*SMALLEST, "trainer.max_steps=6", "trainer.val_check_interval=2"]
+    command += ["trainer.limit_val_batches=4"]
+    done = run_training(cache, *command, f"hydra.run.dir={whole}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    twice = fault("SignalDuringValidation", step=4, signum=signal.SIGINT, again=True)
+    interrupted = run_training(cache, *command, f"hydra.run.dir={stopped}", *twice)
+    assert interrupted.returncode == -signal.SIGINT, interrupted.stderr[-3000:]
+    assert "Ctrl-C: stopping after this validation" in interrupted.stderr
+    assert interrupted.stderr.strip().splitlines()[-1] == QUIT_NOW
+    assert "Traceback" not in interrupted.stderr
+    checkpoints = stopped / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best-step2.ckpt", "last.ckpt"]
+    assert step_of(checkpoints / "last.ckpt") == 2
+
+    resumed = run_training(cache, f"ckpt_path={stopped}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert val_losses(stopped) == val_losses(whole)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_ctrl_c_while_a_stop_saves_quits_and_leaves_the_checkpoint_before(tmp_path, signum):
+    """A stop on SIGTERM or Ctrl-C after step 3, and Ctrl-C while it saves that step's
+    checkpoint: the process ends by SIGINT at once, without the stop's checkpoint and with no
+    half-written file, last.ckpt still step 2's (it raised a KeyboardInterrupt through Lightning
+    and ended with status 1 and a traceback)."""
+    run_dir = tmp_path / "run"
+    command = [*SMALLEST, "trainer.max_steps=6", "trainer.val_check_interval=2"]
+    command += [*fault("CtrlCWhileSavingTheStop", step=3, signum=signum)]
+    stopped = run_training(tmp_path / "cache", *command, f"hydra.run.dir={run_dir}")
+    assert stopped.returncode == -signal.SIGINT, stopped.stderr[-3000:]
+    assert stopped.stderr.strip().splitlines()[-1] == QUIT_NOW
+    assert "Traceback" not in stopped.stderr
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best-step2.ckpt", "last.ckpt"]
+    assert step_of(checkpoints / "last.ckpt") == 2
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_ctrl_c_twice_to_rank_zero_ends_every_rank(tmp_path):
+    """Ctrl-C twice to the process the command started (rank zero) of a run of two processes,
+    in a validation: it quits at once, and ends the rank it started (which would otherwise wait
+    for it in the ranks' agreement on the stop, and fail there), quietly."""
+    command = [*SMALLEST, "trainer=ddp_cpu", "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    command += ["trainer.limit_val_batches=4", f"hydra.run.dir={tmp_path / 'run'}"]
+    twice = fault("SignalDuringValidation", step=2, signum=signal.SIGINT, again=True, rank=0)
+    stopped = run_training(tmp_path / "cache", *command, *twice, timeout=300)
+    assert stopped.returncode == -signal.SIGINT, stopped.stderr[-3000:]
+    assert stopped.stderr.strip().splitlines()[-1] == QUIT_NOW
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_in_the_sanity_check_stops_the_run_with_its_status(tmp_path, signum):
     """Before any step there is nothing to save: the run ends at once, with the status a shell

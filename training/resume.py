@@ -525,7 +525,9 @@ class StopSignals(L.Callback):
     boundary, where the state is whole, and write last.ckpt there (where batches accumulate,
     Lightning stops after the current batch: the checkpoint keeps the step's gradients so far).
     A Ctrl-C during a validation lets it finish first (its loss, and a best checkpoint, would
-    otherwise be lost: the resumed run does not repeat it). A second Ctrl-C quits at once.
+    otherwise be lost: the resumed run does not repeat it). A second Ctrl-C, or a Ctrl-C while
+    a stop (on SIGTERM, say) saves, quits at once, by SIGINT as the first would end the run:
+    checkpoints are written aside and renamed into place, so the ones saved before stay whole.
     Before training (the checks, preparing the data, the sanity check) there is nothing to save:
     either signal ends the process at once (Ctrl-C with one line). A run stopped by SIGTERM ends
     with status 143, one stopped by Ctrl-C by SIGINT itself (the shell's $? reads 130), as a
@@ -632,9 +634,9 @@ class StopSignals(L.Callback):
         if self._phase == "finished":
             self._cut_sample_short(signum)
             return
-        if self._phase == "stopping":  # on a signal or a failure: quit now
-            raise SystemExit(128 + signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: quit now
+        if self._phase == "stopping":  # on a signal or a failure
+            self._quit_now(signum, frame)
+        signal.signal(signal.SIGINT, self._quit_now)  # a second Ctrl-C
         self.signum = signal.SIGINT
         trainer = self._trainer
         validating = trainer is not None and trainer.validating
@@ -663,13 +665,35 @@ class StopSignals(L.Callback):
                 print("\nCtrl-C before training began: stopping, nothing saved", file=sys.stderr)
             if HydraConfig.initialized():
                 discard_command_record()
-            # torch's SIGCHLD handler would raise, told of the DataLoader workers killed here
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _end_workers()
-            if self._launcher is not None:  # the signal ends them as it ends this one
-                self._launcher.kill(signum)
-            end_at_once(signum)
+            self._end_now(signum, signum)  # the signal ends the other ranks as it ends this one
         os._exit(128 + signum)
+
+    def _quit_now(self, signum: int, frame) -> NoReturn:
+        """Ctrl-C once the run is stopping (a Ctrl-C before it, a SIGTERM, a failure): end at once,
+        whatever the stop had still to do, by SIGINT as a Ctrl-C ends the run. The checkpoint
+        being saved, if any, is given up: checkpoints are written aside and renamed into place
+        (checkpoint_io.save_durably), so last.ckpt stays the last one saved whole, and the
+        run resumes from it. Another rank is killed (SIGKILL): it might be waiting for this
+        one in a collective, and only rank zero writes checkpoints."""
+        if os.getpid() != self._pid:  # a forked worker: its parent ends it
+            os._exit(128 + signum)
+        if self._trainer is None or self._trainer.is_global_zero:
+            print(
+                "\nCtrl-C while stopping: quitting now; the checkpoints saved before stay as "
+                "they were",
+                file=sys.stderr,
+            )
+        self._end_now(signum, signal.SIGKILL)
+
+    def _end_now(self, signum: int, signum_for_ranks: int) -> NoReturn:
+        """End this process at once for `signum` (errors.end_at_once), and the processes it
+        started: the other ranks by `signum_for_ranks`, DataLoader and datasets workers."""
+        # torch's SIGCHLD handler would raise, told of the DataLoader workers killed here
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _end_workers()
+        if self._launcher is not None:
+            self._launcher.kill(signum_for_ranks)
+        end_at_once(signum)
 
     def run_sample(self, sample: Callable[[], None]) -> None:
         """Run `sample` (the end-of-run sample, once training is complete), which SIGTERM or
@@ -762,7 +786,7 @@ class StopSignals(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self._phase = "stopping"
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # stopping: Ctrl-C quits now
+        signal.signal(signal.SIGINT, self._quit_now)
         if not isinstance(exception, SIGTERMException):
             return  # a failure (say a non-finite loss) must not overwrite the last good state
         self.signum = self.signum or signal.SIGTERM
