@@ -634,9 +634,7 @@ class StopSignals(L.Callback):
         if self._phase == "finished":
             self._cut_sample_short(signum)
             return
-        if self._phase == "stopping":  # on a signal or a failure
-            self._quit_now(signum, frame)
-        signal.signal(signal.SIGINT, self._quit_now)  # a second Ctrl-C
+        signal.signal(signal.SIGINT, self._quit_now)  # a second Ctrl-C (on_exception sets it too)
         self.signum = signal.SIGINT
         trainer = self._trainer
         validating = trainer is not None and trainer.validating
