@@ -2,9 +2,9 @@
 
 Hydra composes configs/train.yaml and makes the run directory; then a run is four steps:
 check (training/plan.py: every option, before any data loads; given ckpt_path, the
-checkpoint's run's config), build (Trainer, data, LightningModule), fit, summarise
-(summary.json and the end-of-run printout). train() returns the best validation loss, which
-Hydra's sweepers minimise.
+checkpoint's run's config), build (training/build.py: Trainer, data, LightningModule), fit,
+summarise (training/summary.py: summary.json and the end-of-run printout). train() returns the
+best validation loss, which Hydra's sweepers minimise.
 """
 
 import gc
@@ -16,7 +16,6 @@ import gc
 gc.disable()
 # ruff: noqa: E402 (the imports come after gc.disable())
 
-import dataclasses
 import signal
 import time
 from contextlib import nullcontext
@@ -24,17 +23,15 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from data.lm import LMDataModule
 from data.sources import progress_bars_on_terminals_only
-from data.tokenizer import tokenizer_from_dict
-from errors import exit_on_user_error, override_key
-from training.attention_maps import finish_maps, finish_maps_later
-from training.checkpoint_io import DurableCheckpointIO, claim_run_dir
+from errors import exit_on_user_error
+from training.attention_maps import finish_maps
+from training.build import build_module, build_trainer, prepare_data
+from training.checkpoint_io import claim_run_dir
 from training.failures import (
     TRAIN_ERRORS,
     instantiate_checked,
@@ -45,32 +42,10 @@ from training.guard import TrainingDiverged, all_steps_skipped
 from training.module import DataModule, TrainingModule
 from training.plan import Plan, check_options
 from training.precision import fast_precision
-from training.resume import (
-    ExactRestart,
-    ResumeState,
-    StopSignals,
-    hydra_record_dir,
-    refused_leaves_no_record,
-    resume_run_dir,
-)
-from training.summary import (
-    best_val_loss,
-    checked_sample,
-    describe_baseline,
-    print_end,
-    run_summary,
-    write_summary,
-)
-from training.sweep import (
-    check_not_ddp_in_sweep,
-    in_sweep,
-    pruned_reason,
-    raise_if_pruned,
-    run_sweep_job,
-    sqlite_url,
-    trial_pruning,
-)
-from training.wandb_run import ReleaseWandbStart, WandbLogger, finish_wandb, run_names
+from training.resume import StopSignals, hydra_record_dir, refused_leaves_no_record, resume_run_dir
+from training.summary import best_val_loss, describe_baseline, print_end, run_summary, write_summary
+from training.sweep import in_sweep, pruned_reason, raise_if_pruned, run_sweep_job, sqlite_url
+from training.wandb_run import finish_wandb
 
 OmegaConf.register_new_resolver("sqlite_url", sqlite_url)
 OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir)
@@ -79,81 +54,6 @@ OmegaConf.register_new_resolver("fast_precision", fast_precision)
 OmegaConf.register_new_resolver("hydra_record_dir", hydra_record_dir, use_cache=True)
 gc.freeze()
 gc.enable()
-
-
-def prepare_data(plan: Plan, datamodule: DataModule, world_size: int) -> None:
-    """Tokenize (or reuse the cache), with a resumed run's tokenizer, and check that the
-    training data fills a batch on each of the world_size processes and the end-of-run sample's
-    prompt against it. Every rank prepares the data itself (one builds the cache entry, the
-    others wait for it), so the vocabulary is the same everywhere."""
-    if isinstance(datamodule, LMDataModule) and plan.init:
-        datamodule.use_tokenizer(tokenizer_from_dict(plan.init.tokenizer), plan.init.option)
-    elif isinstance(datamodule, LMDataModule) and plan.resume.saved_tokenizer is not None:
-        given_by = f"ckpt_path={plan.resume.path}"
-        datamodule.use_tokenizer(tokenizer_from_dict(plan.resume.saved_tokenizer), given_by)
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    datamodule.check_batches(world_size)
-    if isinstance(datamodule, LMDataModule):
-        given = "sample.prompt" in {override_key(o) for o in plan.resume.overrides}
-        plan.sample = checked_sample(plan.sample, datamodule.tokenizer, datamodule, given)
-        plan.cfg.sample.prompt = plan.sample.prompt  # the run config records the one used
-
-
-def build_module(plan: Plan, tokenizer) -> L.LightningModule:
-    """The LightningModule, with init_from's weights if given; its hyper-parameters carry the
-    resolved run config (with what a later resume composes from) and the tokenizer, so a
-    checkpoint needs nothing else."""
-    model = plan.model.for_tokenizer(tokenizer.vocab_size)
-    plan.resume.check_data(tokenizer, model.vocab_size)
-    run_config = OmegaConf.to_container(plan.cfg, resolve=True)
-    run_config["model"]["vocab_size"] = model.vocab_size
-    run_config.update(plan.resume.record())
-    module = plan.kind.module_class(
-        model=model.to_dict(),
-        optim=dataclasses.asdict(plan.optim),
-        tokenizer=tokenizer.to_dict(),
-        run_config=run_config,
-        on_nonfinite=plan.cfg.on_nonfinite,
-    )
-    if plan.init:
-        plan.init.load_into(module.model)
-    if plan.cfg.compile:
-        # in place: the state dict keeps its keys, checkpoints load as ever
-        module.model.compile(mode=plan.cfg.compile_mode)
-    return module
-
-
-def build_trainer(plan: Plan, stop: StopSignals) -> L.Trainer:
-    """The Trainer with the config's callbacks and loggers, and ours: the state a resumed run
-    needs, the stop on SIGTERM or Ctrl-C, and the start of an offline W&B run, on a thread once
-    the first step is done."""
-    callbacks = [instantiate_checked(c) for c in (plan.cfg.get("callbacks") or {}).values()]
-    loggers = [
-        instantiate_checked(
-            c, **(run_names(c, plan.cfg.model, plan.run_dir) | plan.resume.wandb_options(c))
-        )
-        for c in (plan.cfg.get("logger") or {}).values()
-    ]
-    wandb_loggers = [logger for logger in loggers if isinstance(logger, WandbLogger)]
-    for logger in wandb_loggers:
-        logger.start_in_background()  # released after the first training step
-    uploads = any(logger.uploads_checkpoints for logger in wandb_loggers)
-    ours = [ResumeState(), ExactRestart(), stop, ReleaseWandbStart(wandb_loggers), *trial_pruning()]
-    # Without a checkpoint callback (~callbacks.model_checkpoint), Lightning would add its own,
-    # whose epoch=...-step=....ckpt files neither a resume nor generate.py looks for: none.
-    saves = any(isinstance(c, ModelCheckpoint) for c in callbacks)
-    trainer = instantiate_checked(
-        plan.cfg.trainer,
-        callbacks=[*callbacks, *ours],
-        logger=loggers or False,
-        plugins=[DurableCheckpointIO(background=not uploads)],
-        **({} if saves else {"enable_checkpointing": False}),
-    )
-    check_not_ddp_in_sweep(trainer.world_size)
-    finish_maps_later(callbacks)  # after the end-of-run printout: see fit()
-    stop.end_launched_processes_too(trainer)
-    return trainer
 
 
 def run_fit(
