@@ -72,6 +72,8 @@ class ExportOptions:
 
     def __post_init__(self) -> None:
         check_field_types(self, "")
+        if not self.out.strip():  # out=$DIR with DIR unset: not the current directory
+            raise ValueError("out= is empty: give the directory to write the export to")
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r} is not one of {', '.join(FORMATS)}")
         if self.format == "hf" and importlib.util.find_spec("transformers") is None:

@@ -101,6 +101,8 @@ class Inputs:
         included); a newline when none is given."""
         if self.prompt_file is not None:
             path = Path(self.prompt_file).expanduser()
+            if not self.prompt_file.strip():  # prompt_file=$FILE with FILE unset
+                raise ValueError("prompt_file= is empty: give a text file's path, or drop it")
             if path.is_dir():
                 raise ValueError(f"prompt_file={self.prompt_file} is a folder: give a text file")
             if not path.is_file():

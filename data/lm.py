@@ -128,8 +128,12 @@ class LMDataModule(CachedDataModule):
         self._given_tokenizer = None
         self._given_by = ""
         if self.config.tokenizer_file is not None:
-            tokenizer = load_tokenizer(self.config.tokenizer_file)
-            self.use_tokenizer(tokenizer, f"data.tokenizer_file={self.config.tokenizer_file}")
+            given_by = f"data.tokenizer_file={self.config.tokenizer_file}"
+            try:
+                tokenizer = load_tokenizer(self.config.tokenizer_file)
+            except ValueError as error:  # its message names the file, not the option
+                raise ValueError(f"{given_by}: {error}") from None
+            self.use_tokenizer(tokenizer, given_by)
 
     def use_tokenizer(self, tokenizer: CharTokenizer | BPETokenizer, given_by: str) -> None:
         """Encode the corpus with `tokenizer` (a resumed run's, init_from's or

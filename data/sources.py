@@ -252,6 +252,12 @@ def load_hub(
             f"{key}: cannot download {title}: the Hugging Face Hub is unreachable (offline); use "
             f"local files instead: {local_fix}"
         ) from err
+    except FileNotFoundError as err:  # a folder without data files, a path that is none
+        raise ValueError(
+            f"{key}={name}: {str(err).rstrip('.')}; give a Hub dataset's name or a folder laid "
+            f"out as one (data/<split>-00000-of-00001.parquet), or use local files instead: "
+            f"{local_fix}"
+        ) from err
     except ValueError as err:
         # Offline, `datasets` falls back on its cache; one holding the dataset in other configs
         # only says so in two lines, the second naming them ("Available configs in the

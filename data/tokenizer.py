@@ -300,8 +300,19 @@ def load_tokenizer(path: str | os.PathLike) -> CharTokenizer | BPETokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer file at {path}; check the path")
     saved = _read_json(path)
+    if saved.keys() == {"type", "specials"}:  # the extras file itself
+        partner = path.with_name(path.name.removeprefix("tinyformer_"))
+        raise ValueError(
+            f"{path} holds the type and special tokens that tinyformer saves beside a "
+            f"tokenizer.json: give that file ({partner})"
+        )
     if "type" in saved:  # our dict: the `tokenizers` format has no top-level "type"
         return tokenizer_from_dict(saved)
+    if "model" not in saved:  # every `tokenizers` file has its model
+        raise ValueError(
+            f"{path} is JSON but no tokenizer file: give a tokenizer.json that tinyformer saved "
+            "(a run's, or an export's)"
+        )
     extras_file = _extras_path(path)
     if not extras_file.is_file():
         raise FileNotFoundError(
@@ -335,10 +346,15 @@ def _read_json(path: Path) -> dict:
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as error:  # not UTF-8, or not JSON: e.g. a file cut short
-        raise ValueError(f"{path} cannot be read as a tokenizer file ({error})") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path} cannot be read as a tokenizer file (not a JSON object)")
-    return saved
+        why = str(error)
+    else:
+        if isinstance(saved, dict):
+            return saved
+        why = "not a JSON object"
+    raise ValueError(
+        f"{path} cannot be read as a tokenizer file ({why}): give a tokenizer.json that "
+        "tinyformer saved (a run's, or an export's)"
+    )
 
 
 def _save(path: Path, tokenizer: Tokenizer, kind: str, specials: list[str]) -> None:

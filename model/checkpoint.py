@@ -140,7 +140,9 @@ def find_checkpoint(given: str | os.PathLike, which: str, key: str) -> Path:
     ckpt_path=), which an export cannot do: it holds no training state; "best" is the best
     checkpoint (see best_checkpoint), else last.ckpt, what a trained model is used from
     (generate.py ckpt=)."""
-    if given is None or given == "???":  # null, or Hydra's mark of a value not given
+    # null, Hydra's mark of a value not given, or nothing (ckpt=$RUN with RUN unset): the
+    # empty path would be the current directory
+    if given is None or given == "???" or not str(given).strip():
         raise ValueError(
             f"give {key}=: the directory of a run that saved checkpoints (runs live under "
             "outputs/), a .ckpt file, or an export's directory"

@@ -151,7 +151,33 @@ CASES = [
     ("zero_batch", "train.py", ["data.batch_size=0"],
      "error: data.batch_size must be a positive integer, got 0"),
     ("bad_precision", "train.py", ["trainer.precision=17"], "error: Precision 17 is invalid"),
-    ("zero_devices", "train.py", ["trainer.devices=0"], "error: `Trainer(devices=0)` value is not"),
+    # on the CPU Lightning refused these with a TypeError, in Hydra's lines
+    ("zero_devices", "train.py", ["trainer=cpu", "trainer.devices=0"],
+     "error: trainer.devices must be a positive integer on the CPU (processes: trainer=ddp_cpu "
+     "runs 2) or auto, got 0"),
+    ("devices_not_a_number", "train.py", ["trainer=cpu", "trainer.devices=abc"],
+     "error: trainer.devices must be a positive integer on the CPU"),
+    ("gpu_ids_on_the_cpu", "train.py", ["trainer=cpu", "trainer.devices=[0]"],
+     "error: trainer.devices must be a positive integer on the CPU"),
+    # Lightning took these without a word: training nothing, or a sanity check of -5 batches
+    ("no_training_batches", "train.py", ["+trainer.limit_train_batches=0"],
+     "error: trainer.limit_train_batches must be a positive integer (batches) or a fraction in "
+     "(0, 1], got 0"),
+    ("negative_validation_batches", "train.py", ["trainer.limit_val_batches=-1"],
+     "error: trainer.limit_val_batches must be an integer >= 0 (batches; 0: no validation) or a "
+     "fraction in [0, 1], got -1"),
+    ("negative_sanity_check", "train.py", ["trainer.num_sanity_val_steps=-5"],
+     "error: trainer.num_sanity_val_steps must be an integer >= 0 (validation batches before "
+     "training), or -1 for all of them, got -5"),
+    # a folder that cannot be made: the run trained, then failed at its first checkpoint
+    ("checkpoints_under_a_file", "train.py",
+     ["callbacks.model_checkpoint.dirpath={tmp}/table.csv/checkpoints"],
+     "error: callbacks.model_checkpoint.dirpath={tmp}/table.csv/checkpoints cannot be written "
+     "(Not a directory in {tmp}/table.csv): give callbacks.model_checkpoint.dirpath= a "
+     "directory on a disk you can write to"),
+    # a traceback once the sanity check was done, on a terminal only (elsewhere unused)
+    ("progress_refresh_not_a_number", "train.py", ["callbacks.progress_bar.refresh_rate=abc"],
+     "error: callbacks.progress_bar.refresh_rate must be a non-negative integer, got 'abc'"),
     ("unknown_model_choice", "train.py", ["model=transformer"],
      "hydra:Could not find 'model/transformer'"),
     ("unknown_key", "train.py", ["model.n_layr=2"], "hydra:Key 'n_layr' is not in struct"),
@@ -174,6 +200,11 @@ CASES = [
      "error: data.paths: cannot read {tmp}/not_utf8.txt ('utf-8' codec can't decode byte 0xff in "
      "position 1200: invalid start byte); check that it is UTF-8 text"),
     # pages that pyarrow cannot read behind a footer that reads: a traceback
+    # `datasets`' words alone, naming neither the option nor a fix
+    ("hub_folder_without_data", "train.py", ["data=hub", "data.name={tmp}/no_data_hub"],
+     "error: data.name={tmp}/no_data_hub: "),
+    ("hub_name_of_a_text_file", "train.py", ["data=hub", "data.name={tmp}/table.csv"],
+     "error: data.name={tmp}/table.csv: "),
     ("hub_file_damaged", "train.py", ["data=hub", "data.name={tmp}/damaged_hub"],
      "error: data.name: cannot read {tmp}/damaged_hub/data/validation-00000-of-00001.parquet "
      "(Couldn't deserialize thrift"),
@@ -231,6 +262,20 @@ CASES = [
      "weights compute"),
     ("init_from_and_ckpt_path", "train.py", ["init_from={run}", "ckpt_path={run}"],
      "error: init_from={run} starts a new run from a model's weights and ckpt_path="),
+    # files that are no tokenizer.json: the extras file beside one was a KeyError in Hydra's
+    # lines, and the others named neither the option nor a fix
+    ("tokenizer_file_the_extras_beside_it", "train.py",
+     ["data.tokenizer_file={run}/tinyformer_tokenizer.json"],
+     "error: data.tokenizer_file={run}/tinyformer_tokenizer.json: {run}/tinyformer_tokenizer.json "
+     "holds the type and special tokens that tinyformer saves beside a tokenizer.json: give that "
+     "file ({run}/tokenizer.json)"),
+    ("tokenizer_file_other_json", "train.py", ["data.tokenizer_file={run}/summary.json"],
+     "error: data.tokenizer_file={run}/summary.json: {run}/summary.json is JSON but no tokenizer "
+     "file: give a tokenizer.json that tinyformer saved (a run's, or an export's)"),
+    ("tokenizer_file_not_json", "train.py", ["data.tokenizer_file={tmp}/table.csv"],
+     "error: data.tokenizer_file={tmp}/table.csv: {tmp}/table.csv cannot be read as a tokenizer "
+     "file (Expecting value: line 1 column 1 (char 0)): give a tokenizer.json that tinyformer "
+     "saved"),
     ("init_from_with_a_tokenizer_file", "train.py",
      ["init_from={run}", "data.tokenizer_file={run}/tokenizer.json"],
      "error: data.tokenizer_file={run}/tokenizer.json: init_from={run} brings its own tokenizer"),
@@ -263,6 +308,13 @@ CASES = [
      ["ckpt_path={run}", "model=encdec", "data=shakespeare_denoise"],
      "error: ckpt_path={run}/checkpoints/last.ckpt holds a GPT and this command asks for an "
      "encoder-decoder"),
+    # an empty path (a shell variable not set) was the current directory: an export wrote there
+    ("empty_ckpt", "generate.py", ["ckpt="],
+     "error: give ckpt=: the directory of a run that saved checkpoints"),
+    ("empty_prompt_file", "generate.py", ["ckpt={run}", "prompt_file="],
+     "error: prompt_file= is empty: give a text file's path, or drop it"),
+    ("empty_export_out", "export.py", ["ckpt={run}", "out="],
+     "error: out= is empty: give the directory to write the export to"),
     ("negative_max_new_tokens", "generate.py", ["ckpt={run}", "max_new_tokens=-1"],
      "error: max_new_tokens must be a non-negative integer, got -1"),
     ("top_p_above_one", "generate.py", ["ckpt={run}", "top_p=1.5"],
@@ -480,6 +532,7 @@ def inputs(tmp_path_factory, trained_run, shared_cache) -> dict[str, Path]:
     data[8:40] = b"\xff" * 32  # the first page's header, just after the magic bytes
     damaged.write_bytes(bytes(data))
     write_hub_dataset(tmp / "short_hub", {"train": ["some text"] * 3})
+    (tmp / "no_data_hub").mkdir()
     export(ExportOptions(ckpt=str(trained_run), out=str(tmp / "export_of_run")))
     return {"tmp": tmp, "run": trained_run, "cache": shared_cache}
 

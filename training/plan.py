@@ -2,6 +2,7 @@
 (check_options), into the Plan that the later steps take instead of the raw config."""
 
 import dataclasses
+from pathlib import Path
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -14,7 +15,9 @@ from errors import (
     check_int,
     check_known,
     check_seed,
+    check_writable,
     config_from,
+    is_int,
     is_number,
     override_key,
 )
@@ -107,6 +110,7 @@ def check_options(cfg: DictConfig) -> Plan:
     kind = kind_of(cfg.model)
     check_monitored_metrics(cfg.get("callbacks"), kind)
     check_saves_last(cfg.get("callbacks"))
+    check_callback_folders(cfg.get("callbacks"))
     check_fits_data(kind, cfg.data, HydraConfig.get().runtime.choices)
     check_data_follows_model(kind, cfg.model, cfg.data)
     if kind.name == "encdec":
@@ -206,6 +210,19 @@ def check_saves_last(callbacks: DictConfig | None) -> None:
             )
 
 
+def check_callback_folders(callbacks: DictConfig | None) -> None:
+    """The folders callbacks write to (the checkpoints' dirpath, the attention maps' out_dir)
+    can be written: the first write comes at the first validation, and a run that cannot make
+    its checkpoints' folder failed there, after training, with its checkpoint lost."""
+    for name, callback in (callbacks or {}).items():
+        for key in ("dirpath", "out_dir"):
+            folder = callback.get(key) if isinstance(callback, DictConfig) else None
+            if folder:
+                given = f"callbacks.{name}.{key}"
+                fix = f"give {given}= a directory on a disk you can write to"
+                check_writable(Path(folder) / "file", f"{given}={folder}", fix)
+
+
 def check_data_follows_model(kind: ModelKind, model: DictConfig, data: DictConfig) -> None:
     """The lengths the data and the model share (configs/data/ take the model's): a block
     shorter than the model's would leave its later positions untrained without a word, and a
@@ -285,6 +302,43 @@ def check_trainer_options(trainer: DictConfig) -> None:
         "trainer.val_check_interval",
         "a positive integer (training batches)",
         interval,
+    )
+    train_batches = trainer.get("limit_train_batches")  # 0 would train nothing, in silence
+    check(
+        train_batches is None
+        or is_int(train_batches, 1)
+        or (is_number(train_batches) and 0 < train_batches <= 1),
+        "trainer.limit_train_batches",
+        "a positive integer (batches) or a fraction in (0, 1]",
+        train_batches,
+    )
+    val_batches = trainer.get("limit_val_batches")
+    check(
+        val_batches is None
+        or is_int(val_batches, 0)
+        or (is_number(val_batches) and 0 <= val_batches <= 1),
+        "trainer.limit_val_batches",
+        "an integer >= 0 (batches; 0: no validation) or a fraction in [0, 1]",
+        val_batches,
+    )
+    accelerator = trainer.get("accelerator")
+    gpu = CUDAAccelerator.is_available() or MPSAccelerator.is_available()
+    if accelerator == "cpu" or (accelerator == "auto" and not gpu):
+        # Lightning refuses any other with a TypeError, in a traceback ("0,1" and -1 name GPUs)
+        devices = trainer.get("devices")
+        processes = int(devices) if isinstance(devices, str) and devices.isdigit() else devices
+        check(
+            devices == "auto" or is_int(processes, 1),
+            "trainer.devices",
+            "a positive integer on the CPU (processes: trainer=ddp_cpu runs 2) or auto",
+            devices,
+        )
+    sanity = trainer.get("num_sanity_val_steps")
+    check(
+        sanity is None or is_int(sanity, -1),
+        "trainer.num_sanity_val_steps",
+        "an integer >= 0 (validation batches before training), or -1 for all of them",
+        sanity,
     )
 
 

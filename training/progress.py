@@ -8,7 +8,7 @@ import time
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
-from errors import check, is_number
+from errors import check, check_int, is_number
 
 # The metrics a line shows, in this order, where the run logged them, under these names
 SHOWN = {"train/loss": "train/loss", "val/loss": "val/loss", "train/tokens_per_sec": "tokens/s"}
@@ -17,9 +17,11 @@ SHOWN = {"train/loss": "train/loss", "val/loss": "val/loss", "train/tokens_per_s
 def progress_bar(refresh_rate: int, every_seconds: float) -> ProgressBar:
     """The bar, redrawn every `refresh_rate` steps, where stdout is a terminal; else a line every
     `every_seconds` (configs/callbacks/default.yaml's progress_bar)."""
-    key = "callbacks.progress_bar.every_seconds"  # checked on a terminal too: a log may come next
+    # both checked wherever stdout goes: the next run's may go elsewhere
+    key = "callbacks.progress_bar.every_seconds"
     ok = is_number(every_seconds) and every_seconds > 0
     check(ok, key, "a positive number of seconds", every_seconds)
+    check_int("callbacks.progress_bar.refresh_rate", refresh_rate, minimum=0)  # 0: no bar
     if sys.stdout.isatty():
         return TQDMProgressBar(refresh_rate=refresh_rate)
     return LineProgress(every_seconds)
