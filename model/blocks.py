@@ -56,10 +56,13 @@ class TransformerConfig:
     def check_even_head_dim(self, key: str) -> None:
         """RoPE rotates pairs of a head's channels: `key`=rope needs an even head dimension."""
         n_head = self.attention.n_head
-        if (self.n_embd // n_head) % 2:
+        head_dim = self.n_embd // n_head
+        if head_dim % 2:
             raise ValueError(
                 f"{key}=rope needs an even head dimension, but model.n_embd={self.n_embd} / "
-                f"model.attention.n_head={n_head} = {self.n_embd // n_head}"
+                f"model.attention.n_head={n_head} = {head_dim}: make n_embd a multiple of "
+                f"2 * n_head (model.n_embd={n_head * (head_dim + 1)}, say), or use another "
+                "position"
             )
 
     @property

@@ -32,6 +32,11 @@ CASES = [
      "error: model.n_embd=128 is not divisible by model.attention.n_head=3"),
     ("kv_heads_not_dividing", "train.py", ["model.attention.n_kv_head=3"],
      "error: model.attention.n_head=4 is not divisible by model.attention.n_kv_head=3"),
+    ("rope_on_odd_heads", "train.py", ["model.position=rope", "model.n_embd=120",
+                                       "model.attention.n_head=8"],
+     "error: model.position=rope needs an even head dimension, but model.n_embd=120 / "
+     "model.attention.n_head=8 = 15: make n_embd a multiple of 2 * n_head (model.n_embd=128, "
+     "say), or use another position"),
     ("negative_lr", "train.py", ["optim.lr=-1"], "error: optim.lr must be > 0, got -1"),
     ("seed_not_a_number", "train.py", ["seed=abc"], "error: seed must be an integer"),
     # a GPU recipe is bad input only where torch finds no GPU
